@@ -1,0 +1,39 @@
+# The README's two commands: `make demo` (the main job) and `make test`.
+# Both do all set-up on a fresh machine: a .venv with a CPU torch and this package.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck bench clean setup
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pinned torch first: a looser spec could pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m reshard_svc.demo
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check reshard_svc server client tests bench
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy
+
+bench: $(VENV)/.installed
+	$(PY) bench/plan.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

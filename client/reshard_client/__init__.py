@@ -1,0 +1,1 @@
+"""reshard_client: the HTTP client and the ``reshard`` command line."""

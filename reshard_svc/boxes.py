@@ -1,0 +1,137 @@
+"""Box intersection and overlap planning between two chunk lists of one tensor.
+
+:func:`overlaps` finds every non-empty intersection between source boxes ``S`` and target
+boxes ``T`` with a per-dimension interval sweep: group both sides by their interval on dim
+0, sweep the distinct intervals to find overlapping groups, and recurse on the next dim for
+each overlapping pair. For chunk lists that tile a tensor this is
+O((|S|+|T|) log(|S|+|T|) + output), never the |S|·|T| of all pairs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from reshard_svc.errors import InconsistentIndexError
+from reshard_svc.layout import Box
+
+__all__ = ["Overlap", "check_tiling", "intersect", "overlaps"]
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of ``a`` and ``b``, or None when they do not overlap."""
+    return a.intersect(b)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """``box`` is where ``source[src]`` and ``target[dst]`` overlap (global coordinates)."""
+
+    src: int
+    dst: int
+    box: Box
+
+
+Interval = tuple[int, int]  # [start, end)
+
+
+def _interval_pairs(
+    a: Sequence[Interval], b: Sequence[Interval]
+) -> list[tuple[int, int]]:
+    """Index pairs (i, j) with a[i] and b[j] overlapping; sweep over starts."""
+    events = sorted(
+        [(iv[0], 0, i) for i, iv in enumerate(a)] + [(iv[0], 1, j) for j, iv in enumerate(b)]
+    )
+    active: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # heaps of (end, idx)
+    out: list[tuple[int, int]] = []
+    ivs = (a, b)
+    for start, side, idx in events:
+        other = active[1 - side]
+        while other and other[0][0] <= start:
+            heapq.heappop(other)
+        end = ivs[side][idx][1]
+        if end <= start:
+            continue
+        for _, o in other:
+            out.append((idx, o) if side == 0 else (o, idx))
+        heapq.heappush(active[side], (end, idx))
+    return out
+
+
+def _join(
+    src: Sequence[Box],
+    dst: Sequence[Box],
+    s_ids: list[int],
+    t_ids: list[int],
+    dim: int,
+    ndim: int,
+    out: list[Overlap],
+) -> None:
+    if dim == ndim:
+        for i in s_ids:
+            for j in t_ids:
+                box = src[i].intersect(dst[j])
+                if box is not None:
+                    out.append(Overlap(i, j, box))
+        return
+    s_groups: dict[Interval, list[int]] = {}
+    for i in s_ids:
+        b = src[i]
+        s_groups.setdefault((b.offsets[dim], b.offsets[dim] + b.sizes[dim]), []).append(i)
+    t_groups: dict[Interval, list[int]] = {}
+    for j in t_ids:
+        b = dst[j]
+        t_groups.setdefault((b.offsets[dim], b.offsets[dim] + b.sizes[dim]), []).append(j)
+    s_keys = list(s_groups)
+    t_keys = list(t_groups)
+    for gi, gj in _interval_pairs(s_keys, t_keys):
+        _join(src, dst, s_groups[s_keys[gi]], t_groups[t_keys[gj]], dim + 1, ndim, out)
+
+
+def overlaps(source: Sequence[Box], target: Sequence[Box]) -> list[Overlap]:
+    """Every non-empty intersection of a source box with a target box.
+
+    Results are sorted by (dst, src). Boxes must all have the same number of dims;
+    0-dim (scalar) boxes intersect when both are non-empty.
+    """
+    if not source or not target:
+        return []
+    ndim = source[0].ndim
+    for b in (*source, *target):
+        if b.ndim != ndim:
+            raise InconsistentIndexError(
+                f"box {b} has {b.ndim} dims where {ndim} were expected"
+            )
+    s_ids = [i for i, b in enumerate(source) if not b.is_empty]
+    t_ids = [j for j, b in enumerate(target) if not b.is_empty]
+    out: list[Overlap] = []
+    _join(source, target, s_ids, t_ids, 0, ndim, out)
+    out.sort(key=lambda o: (o.dst, o.src))
+    return out
+
+
+def check_tiling(shape: Sequence[int], boxes: Sequence[Box], what: str = "tensor") -> None:
+    """Raise :class:`InconsistentIndexError` unless ``boxes`` tile ``shape`` exactly.
+
+    Boxes must lie inside the tensor, overlap nowhere and cover every element.
+    """
+    full = Box(tuple(0 for _ in shape), tuple(shape))
+    nonempty = [b for b in boxes if not b.is_empty]
+    for b in nonempty:
+        if b.ndim != len(shape) or not full.contains(b):
+            raise InconsistentIndexError(
+                f"{what}: chunk {b.offsets}+{b.sizes} lies outside shape {tuple(shape)}"
+            )
+    for o in overlaps(nonempty, nonempty):
+        if o.src < o.dst:
+            a, b = nonempty[o.src], nonempty[o.dst]
+            raise InconsistentIndexError(
+                f"{what}: chunks {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} overlap"
+            )
+    covered = sum(b.numel for b in nonempty)
+    if covered != full.numel:
+        raise InconsistentIndexError(
+            f"{what}: chunks cover {covered} of {full.numel} elements of shape "
+            f"{tuple(shape)}; some region has no chunk"
+        )

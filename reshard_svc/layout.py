@@ -1,0 +1,605 @@
+"""The layout core: which boxes of a global tensor each mesh coordinate holds.
+
+Pure metadata — no process group, no I/O, no torch. The answers agree exactly with
+torch's DTensor (``_compute_local_shape_and_global_offset`` and ``distribute_tensor``):
+
+* ``Shard(d)`` splits like ``torch.chunk``: chunk size ``ceil(n / k)``, so trailing shards
+  may be smaller or empty; an empty shard has size 0 and offset ``n`` in that dim.
+* ``StridedShard(d, split_factor)`` is torch's ``_StridedShard``: the dim is first chunked
+  into ``split_factor`` pieces, each piece is chunked over the mesh dim, and a rank holds
+  its chunk of every piece — several boxes when the pieces are not adjacent.
+* Placements apply left to right; a later placement on the same tensor dim splits the
+  local index space left by the earlier ones.
+
+Ranks are numbered row-major over mesh coordinates, as ``DeviceMesh`` numbers them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import zlib
+from collections.abc import Iterable, MutableSequence, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Union
+
+from reshard_svc.errors import LayoutError
+
+__all__ = [
+    "Box",
+    "Layout",
+    "Mesh",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StridedShard",
+    "WriteItem",
+    "local_slices",
+    "parse_placement",
+    "parse_placements",
+]
+
+
+@dataclass(frozen=True, order=True)
+class Box:
+    """A hyper-rectangle of a global tensor: ``offsets`` and ``sizes`` per dim."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if len(self.offsets) != len(self.sizes):
+            raise LayoutError(
+                f"box offsets {self.offsets} and sizes {self.sizes} differ in length"
+            )
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def is_empty(self) -> bool:
+        return any(s == 0 for s in self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common part of two boxes, or None when it is empty."""
+        offs = []
+        sizes = []
+        for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            lo = max(a, b)
+            hi = min(a + sa, b + sb)
+            if hi <= lo:
+                return None
+            offs.append(lo)
+            sizes.append(hi - lo)
+        return Box(tuple(offs), tuple(sizes))
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            a <= b and b + sb <= a + sa
+            for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box with offsets measured from ``outer``'s corner."""
+        return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes)}
+
+
+# --------------------------------------------------------------------------- placements
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every coordinate along the mesh dim holds the whole (remaining) tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """``torch.chunk``-style split of tensor dim ``dim`` over the mesh dim."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise LayoutError(f"Shard dim must be an int, got {self.dim!r}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """torch's ``_StridedShard(dim, split_factor)``: right-to-left sharding, e.g. FSDP2 x TP."""
+
+    dim: int
+    split_factor: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise LayoutError(f"StridedShard dim must be an int, got {self.dim!r}")
+        if (
+            not isinstance(self.split_factor, int)
+            or isinstance(self.split_factor, bool)
+            or self.split_factor < 1
+        ):
+            raise LayoutError(
+                f"StridedShard split_factor must be an int >= 1, got {self.split_factor!r}"
+            )
+
+    def __str__(self) -> str:
+        return f"SS({self.dim},{self.split_factor})"
+
+
+Placement = Union[Replicate, Shard, StridedShard]
+
+_PLACEMENT_RE = re.compile(
+    r"""^\s*(?:
+        (?P<r>R|Replicate)\s*(?:\(\s*\))? |
+        (?P<ss>SS|StridedShard|_StridedShard)\s*\(\s*(?:dim\s*=\s*)?(?P<ssd>-?\d+)\s*,\s*
+            (?:(?:sf|split_factor)\s*=\s*)?(?P<ssk>\d+)\s*\) |
+        (?P<s>S|Shard)\s*\(\s*(?:dim\s*=\s*)?(?P<sd>-?\d+)\s*\)
+    )\s*$""",
+    re.IGNORECASE | re.VERBOSE,
+)
+
+
+def parse_placement(text: str) -> Placement:
+    """Parse ``R``, ``S(d)`` or ``SS(d,k)`` (torch spellings are accepted too)."""
+    if not isinstance(text, str):
+        raise LayoutError(f"placement must be text such as 'S(0)', got {text!r}")
+    m = _PLACEMENT_RE.match(text)
+    if m is None:
+        raise LayoutError(
+            f"unknown placement {text!r}: use R, S(dim) or SS(dim,split_factor)"
+        )
+    if m.group("r"):
+        return Replicate()
+    if m.group("ss"):
+        return StridedShard(int(m.group("ssd")), int(m.group("ssk")))
+    return Shard(int(m.group("sd")))
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts]
+
+
+def parse_placements(text: str | Sequence[str | Placement]) -> tuple[Placement, ...]:
+    """Parse ``"S(0),R"`` or a list of placement texts/objects."""
+    items: Iterable[str | Placement]
+    if isinstance(text, str):
+        stripped = text.strip().strip("[]")
+        if not stripped:
+            raise LayoutError("placements are empty: give one per mesh dim, e.g. 'S(0),R'")
+        items = _split_top_level(stripped)
+    else:
+        items = text
+    out: list[Placement] = []
+    for item in items:
+        if isinstance(item, (Replicate, Shard, StridedShard)):
+            out.append(item)
+        else:
+            out.append(parse_placement(item))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- mesh
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A device mesh shape with optional dim names; ranks are row-major coordinates."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shape, int):
+            object.__setattr__(self, "shape", (self.shape,))
+        shape = tuple(self.shape)
+        if not shape:
+            raise LayoutError("mesh shape is empty: give at least one dim, e.g. tp=4")
+        for i, s in enumerate(shape):
+            if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+                raise LayoutError(
+                    f"mesh dim {i} has size {s!r}: every mesh size must be a positive int"
+                )
+        object.__setattr__(self, "shape", shape)
+        if self.names is not None:
+            names = tuple(self.names)
+            if len(names) != len(shape):
+                raise LayoutError(
+                    f"mesh names {names} do not match mesh shape {shape}: one name per dim"
+                )
+            if len(set(names)) != len(names):
+                raise LayoutError(f"mesh names {names} repeat a name")
+            for n in names:
+                if not isinstance(n, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n):
+                    raise LayoutError(f"mesh dim name {n!r} must be an identifier")
+            object.__setattr__(self, "names", names)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """The world size this mesh spans."""
+        return math.prod(self.shape)
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.size:
+            raise LayoutError(f"rank {rank} is outside a mesh of {self.size} ranks")
+        coord = []
+        for s in reversed(self.shape):
+            coord.append(rank % s)
+            rank //= s
+        return tuple(reversed(coord))
+
+    def rank_of(self, coord: Sequence[int]) -> int:
+        rank = 0
+        for c, s in zip(coord, self.shape):
+            rank = rank * s + c
+        return rank
+
+    def dim_index(self, name: str) -> int:
+        if self.names is None or name not in self.names:
+            raise LayoutError(f"mesh {self} has no dim named {name!r}")
+        return self.names.index(name)
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """``"dp=2,tp=4"`` (named), ``"2,4"`` or ``"2x4"`` (unnamed)."""
+        if not isinstance(text, str) or not text.strip():
+            raise LayoutError(f"mesh text {text!r} is empty: use e.g. 'tp=4' or 'dp=2,tp=4'")
+        parts = [p.strip() for p in re.split(r"[,x×]", text.strip())]
+        names: list[str] = []
+        shape: list[int] = []
+        for p in parts:
+            name, eq, size = p.partition("=")
+            size_text = size if eq else name
+            try:
+                value = int(size_text.strip())
+            except ValueError:
+                raise LayoutError(
+                    f"mesh text {text!r}: {p!r} is not 'name=size' or a size"
+                ) from None
+            if eq:
+                names.append(name.strip())
+            shape.append(value)
+        if names and len(names) != len(shape):
+            raise LayoutError(f"mesh text {text!r} names some dims but not all")
+        return cls(tuple(shape), tuple(names) if names else None)
+
+    def __str__(self) -> str:
+        if self.names is None:
+            return ",".join(str(s) for s in self.shape)
+        return ",".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "names": list(self.names) if self.names else None}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Mesh:
+        if isinstance(data, str):
+            return cls.parse(data)
+        if not isinstance(data, dict) or "shape" not in data:
+            raise LayoutError(f"mesh JSON must be an object with 'shape', got {data!r}")
+        shape = data["shape"]
+        if not isinstance(shape, list):
+            raise LayoutError(f"mesh JSON 'shape' must be a list, got {shape!r}")
+        names = data.get("names")
+        if names is not None and not isinstance(names, list):
+            raise LayoutError(f"mesh JSON 'names' must be a list or null, got {names!r}")
+        return cls(tuple(shape), tuple(names) if names else None)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One distinct non-empty box of a tensor, who holds it and who writes it."""
+
+    box: Box
+    holders: tuple[int, ...]
+    writer: int
+
+
+Run = tuple[int, int]  # (start, length) of consecutive global indices along one dim
+
+
+def _chunk(length: int, parts: int, index: int) -> Run:
+    """``torch.chunk(length, parts)[index]`` as (start, length), empties padded."""
+    c = -(-length // parts) if length else 0
+    start = min(length, c * index)
+    end = min(length, start + c)
+    return start, max(0, end - start)
+
+
+def _take(runs: list[Run], local: list[Run]) -> list[Run]:
+    """Map local index sub-ranges (in the order the local tensor holds them) to global runs."""
+    out: list[Run] = []
+    for lstart, llen in local:
+        if llen == 0:
+            continue
+        pos = 0
+        for gstart, glen in runs:
+            lo = max(lstart, pos)
+            hi = min(lstart + llen, pos + glen)
+            if hi > lo:
+                g = gstart + (lo - pos)
+                if out and out[-1][0] + out[-1][1] == g:
+                    out[-1] = (out[-1][0], out[-1][1] + hi - lo)
+                else:
+                    out.append((g, hi - lo))
+            pos += glen
+            if pos >= lstart + llen:
+                break
+    return out
+
+
+def _split(runs: list[Run], placement: Shard | StridedShard, parts: int, index: int) -> list[Run]:
+    total = sum(n for _, n in runs)
+    if isinstance(placement, StridedShard):
+        local = []
+        for j in range(placement.split_factor):
+            ps, plen = _chunk(total, placement.split_factor, j)
+            s, n = _chunk(plen, parts, index)
+            local.append((ps + s, n))
+    else:
+        local = [_chunk(total, parts, index)]
+    return _take(runs, local)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh plus one placement per mesh dim: how a global tensor is spread over ranks."""
+
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise LayoutError(f"Layout mesh must be a Mesh, got {self.mesh!r}")
+        placements = parse_placements(self.placements)  # type: ignore[arg-type]
+        object.__setattr__(self, "placements", placements)
+        if len(placements) != self.mesh.ndim:
+            raise LayoutError(
+                f"{len(placements)} placements ({', '.join(map(str, placements))}) for a "
+                f"{self.mesh.ndim}-D mesh ({self.mesh}): give exactly one placement per mesh dim"
+            )
+
+    # ---- construction / text forms
+
+    @classmethod
+    def replicated(cls) -> Layout:
+        """A single-rank layout: the whole tensor in one box."""
+        return cls(Mesh((1,)), (Replicate(),))
+
+    @classmethod
+    def parse(cls, mesh_text: str, placements_text: str | None = None) -> Layout:
+        """``Layout.parse("dp=2,tp=4", "S(0),S(1)")`` or ``Layout.parse(str(layout))``."""
+        if placements_text is None:
+            if not isinstance(mesh_text, str) or "|" not in mesh_text:
+                raise LayoutError(
+                    f"layout text {mesh_text!r} must be 'MESH|PLACEMENTS', e.g. 'tp=4|S(0)'"
+                )
+            mesh_text, placements_text = mesh_text.split("|", 1)
+        return cls(Mesh.parse(mesh_text), parse_placements(placements_text))
+
+    def __str__(self) -> str:
+        return f"{self.mesh}|{','.join(str(p) for p in self.placements)}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mesh": self.mesh.to_json(), "placements": [str(p) for p in self.placements]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Layout:
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError:
+                return cls.parse(data)
+        if not isinstance(data, dict) or "mesh" not in data or "placements" not in data:
+            raise LayoutError(f"layout JSON needs 'mesh' and 'placements', got {data!r}")
+        placements = data["placements"]
+        if not isinstance(placements, (list, str)):
+            raise LayoutError(f"layout JSON 'placements' must be a list, got {placements!r}")
+        return cls(Mesh.from_json(data["mesh"]), parse_placements(placements))
+
+    def with_mesh(self, mesh: Mesh) -> Layout:
+        return Layout(mesh, self.placements)
+
+    # ---- geometry
+
+    def normalized(self, ndim: int) -> tuple[Placement, ...]:
+        """Placements with negative dims resolved against a tensor of ``ndim`` dims."""
+        out: list[Placement] = []
+        for i, p in enumerate(self.placements):
+            if isinstance(p, Replicate):
+                out.append(p)
+                continue
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            if not 0 <= d < ndim:
+                raise LayoutError(
+                    f"placement {p} on mesh dim {i} shards tensor dim {p.dim}, but the "
+                    f"tensor has {ndim} dim(s): pick a dim in [0, {ndim})"
+                )
+            out.append(Shard(d) if isinstance(p, Shard) else StridedShard(d, p.split_factor))
+        return tuple(out)
+
+    def shards(self, global_shape: Sequence[int]) -> list[list[Box]]:
+        """Every rank's boxes, indexed by flat rank. Empty shards are one zero-size box."""
+        shape = _check_shape(global_shape)
+        return [list(b) for b in _shards(self, shape)]
+
+    def rank_boxes(self, global_shape: Sequence[int], rank: int) -> list[Box]:
+        return list(_shards(self, _check_shape(global_shape))[rank])
+
+    def local_shape(self, global_shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        """The shape of ``rank``'s local tensor (its boxes assembled in grid order)."""
+        return _local_shape(_shards(self, _check_shape(global_shape))[rank])
+
+    def write_items(
+        self,
+        global_shape: Sequence[int],
+        itemsize: int = 1,
+        load: MutableSequence[int] | None = None,
+    ) -> list[WriteItem]:
+        """Each distinct non-empty box once, with its holders and one writer.
+
+        The writer is the holder with the fewest bytes assigned so far (``load``, per
+        rank, updated in place so callers can balance across many tensors); ties break by
+        a rotation derived from the box so equal replicated tensors spread over ranks.
+        Every rank computes the same answer without communication.
+        """
+        shape = _check_shape(global_shape)
+        world = self.mesh.size
+        if load is None:
+            load = [0] * world
+        elif len(load) < world:
+            raise LayoutError(f"load has {len(load)} entries for a mesh of {world} ranks")
+        holders: dict[Box, list[int]] = {}
+        for rank, boxes in enumerate(_shards(self, shape)):
+            for box in boxes:
+                if not box.is_empty:
+                    holders.setdefault(box, []).append(rank)
+        order = sorted(holders, key=lambda b: (-b.numel, b.offsets))
+        writers: dict[Box, int] = {}
+        for box in order:
+            hs = holders[box]
+            salt = zlib.crc32(repr((shape, box.offsets, box.sizes)).encode()) % world
+            w = min(hs, key=lambda r: (load[r], (r - salt) % world))
+            load[w] += box.numel * itemsize
+            writers[box] = w
+        return [WriteItem(b, tuple(holders[b]), writers[b]) for b in sorted(holders)]
+
+
+def _check_shape(global_shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        shape = tuple(global_shape)
+    except TypeError:
+        raise LayoutError(f"global shape {global_shape!r} is not a sequence of ints") from None
+    for i, s in enumerate(shape):
+        if not isinstance(s, int) or isinstance(s, bool):
+            try:
+                s = int(s)  # torch.Size / numpy ints
+            except (TypeError, ValueError):
+                raise LayoutError(f"global shape {shape}: dim {i} is not an int") from None
+        if s < 0:
+            raise LayoutError(f"global shape {shape}: dim {i} is negative ({s})")
+    return tuple(int(s) for s in shape)
+
+
+def local_slices(boxes: Sequence[Box]) -> list[tuple[slice, ...]]:
+    """Where each of a rank's boxes sits inside that rank's local tensor.
+
+    A rank's local tensor is its boxes assembled as a grid: along each dim, the distinct
+    runs in increasing order. Returns one tuple of slices per box, in the same order.
+    """
+    if not boxes:
+        return []
+    ndim = boxes[0].ndim
+    starts: list[dict[int, int]] = []
+    for d in range(ndim):
+        runs = sorted({(b.offsets[d], b.sizes[d]) for b in boxes})
+        pos, where = 0, {}
+        for off, size in runs:
+            where[off] = pos
+            pos += size
+        starts.append(where)
+    return [
+        tuple(
+            slice(starts[d][b.offsets[d]], starts[d][b.offsets[d]] + b.sizes[d])
+            for d in range(ndim)
+        )
+        for b in boxes
+    ]
+
+
+def _local_shape(boxes: Sequence[Box]) -> tuple[int, ...]:
+    first = boxes[0]
+    if len(boxes) == 1:
+        return first.sizes
+    shape = []
+    for d in range(first.ndim):
+        starts: dict[int, int] = {}
+        for b in boxes:
+            starts[b.offsets[d]] = b.sizes[d]
+        shape.append(sum(starts.values()))
+    return tuple(shape)
+
+
+@lru_cache(maxsize=4096)
+def _shards(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[Box, ...], ...]:
+    ndim = len(shape)
+    placements = layout.normalized(ndim)
+    mesh = layout.mesh
+    # Per-dim runs depend only on the coordinates of the mesh dims sharding that dim.
+    per_dim_cache: dict[tuple[int, tuple[int, ...]], list[Run]] = {}
+    sharding_mesh_dims = [
+        [i for i, p in enumerate(placements) if not isinstance(p, Replicate) and p.dim == d]
+        for d in range(ndim)
+    ]
+    result = []
+    for rank in range(mesh.size):
+        coord = mesh.coordinate(rank)
+        dim_runs: list[list[Run]] = []
+        for d in range(ndim):
+            key = (d, tuple(coord[i] for i in sharding_mesh_dims[d]))
+            runs = per_dim_cache.get(key)
+            if runs is None:
+                runs = [(0, shape[d])]
+                for i in sharding_mesh_dims[d]:
+                    p = placements[i]
+                    runs = _split(runs, p, mesh.shape[i], coord[i])  # type: ignore[arg-type]
+                per_dim_cache[key] = runs
+            dim_runs.append(runs)
+        if any(sum(n for _, n in r) == 0 for r in dim_runs):
+            # torch reports an empty shard's offset as the dim size where it was emptied.
+            offs = tuple(
+                (r[0][0] if r and sum(n for _, n in r) else shape[d])
+                if sharding_mesh_dims[d]
+                else 0
+                for d, r in enumerate(dim_runs)
+            )
+            sizes = tuple(sum(n for _, n in r) for r in dim_runs)
+            result.append((Box(offs, sizes),))
+            continue
+        boxes = tuple(
+            Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo))
+            for combo in itertools.product(*dim_runs)
+        )
+        result.append(boxes)
+    return tuple(result)

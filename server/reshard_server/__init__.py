@@ -1,0 +1,1 @@
+"""reshard_server: the FastAPI control plane that runs conversion jobs on torchrun workers."""
