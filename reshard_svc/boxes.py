@@ -36,9 +36,7 @@ class Overlap:
 Interval = tuple[int, int]  # [start, end)
 
 
-def _interval_pairs(
-    a: Sequence[Interval], b: Sequence[Interval]
-) -> list[tuple[int, int]]:
+def _interval_pairs(a: Sequence[Interval], b: Sequence[Interval]) -> list[tuple[int, int]]:
     """Index pairs (i, j) with a[i] and b[j] overlapping; sweep over starts."""
     events = sorted(
         [(iv[0], 0, i) for i, iv in enumerate(a)] + [(iv[0], 1, j) for j, iv in enumerate(b)]
@@ -100,9 +98,7 @@ def overlaps(source: Sequence[Box], target: Sequence[Box]) -> list[Overlap]:
     ndim = source[0].ndim
     for b in (*source, *target):
         if b.ndim != ndim:
-            raise InconsistentIndexError(
-                f"box {b} has {b.ndim} dims where {ndim} were expected"
-            )
+            raise InconsistentIndexError(f"box {b} has {b.ndim} dims where {ndim} were expected")
     s_ids = [i for i, b in enumerate(source) if not b.is_empty]
     t_ids = [j for j, b in enumerate(target) if not b.is_empty]
     out: list[Overlap] = []

@@ -54,9 +54,7 @@ class Box:
         object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
         if len(self.offsets) != len(self.sizes):
-            raise LayoutError(
-                f"box offsets {self.offsets} and sizes {self.sizes} differ in length"
-            )
+            raise LayoutError(f"box offsets {self.offsets} and sizes {self.sizes} differ in length")
 
     @property
     def ndim(self) -> int:
@@ -168,9 +166,7 @@ def parse_placement(text: str) -> Placement:
         raise LayoutError(f"placement must be text such as 'S(0)', got {text!r}")
     m = _PLACEMENT_RE.match(text)
     if m is None:
-        raise LayoutError(
-            f"unknown placement {text!r}: use R, S(dim) or SS(dim,split_factor)"
-        )
+        raise LayoutError(f"unknown placement {text!r}: use R, S(dim) or SS(dim,split_factor)")
     if m.group("r"):
         return Replicate()
     if m.group("ss"):

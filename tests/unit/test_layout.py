@@ -23,9 +23,7 @@ from reshard_svc.layout import (
     parse_placement,
 )
 
-EXAMPLES = settings(
-    max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+EXAMPLES = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
