@@ -1,0 +1,48 @@
+"""Launch real torchrun-style worker processes (torch's elastic agent) on gloo.
+
+``run(fn, world_size, *args)`` starts ``world_size`` processes with the same env torchrun
+gives (RANK, WORLD_SIZE, MASTER_ADDR, ...), initialises a gloo process group in each, calls
+``fn(*args)`` and returns ``{rank: return value}``. ``fn`` must be a module-level function.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], *args: Any) -> Any:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo")
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="spawn",
+    )
+    return elastic_launch(config, _entry)(fn, *args)
