@@ -4,7 +4,9 @@ The layout core (:mod:`reshard_svc.layout`, :mod:`reshard_svc.boxes`) is pure an
 no process group; the runtime (``save``, ``load``, ``convert``) runs under torchrun.
 """
 
-from reshard_svc.errors import (
+__version__ = "0.1.0"
+
+from reshard_svc.errors import (  # noqa: E402
     CheckpointError,
     CorruptCheckpointError,
     DistributedError,
@@ -18,18 +20,22 @@ from reshard_svc.errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
+from reshard_svc.index import CheckpointIndex
+from reshard_svc.inspection import VerifyReport, inspect, verify
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
-
-__version__ = "0.1.0"
+from reshard_svc.runtime.load import LoadStats, load
+from reshard_svc.runtime.save import save
 
 __all__ = [
     "Box",
     "CheckpointError",
+    "CheckpointIndex",
     "CorruptCheckpointError",
     "DistributedError",
     "InconsistentIndexError",
     "Layout",
     "LayoutError",
+    "LoadStats",
     "Mesh",
     "NotACheckpointError",
     "PathNotAllowedError",
@@ -41,6 +47,11 @@ __all__ = [
     "StridedShard",
     "UnsafePickleError",
     "UnsupportedFormatError",
+    "VerifyReport",
     "WriteItem",
     "__version__",
+    "inspect",
+    "load",
+    "save",
+    "verify",
 ]

@@ -12,6 +12,7 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     │   └── InconsistentIndexError        overlapping / missing chunks, shape or dtype mismatch
     ├── UnsafePickleError                 a DCP pickle names a global outside the allow-list
     ├── StorageError (OSError)            the storage backend failed; ``__cause__`` is kept
+    │   └── MissingFileError (FileNotFoundError)
     ├── PathNotAllowedError (PermissionError)  a URI outside the configured roots
     └── DistributedError                  a peer rank failed; carries the peers' messages
 
@@ -26,6 +27,7 @@ __all__ = [
     "DistributedError",
     "InconsistentIndexError",
     "LayoutError",
+    "MissingFileError",
     "NotACheckpointError",
     "PathNotAllowedError",
     "ReshardError",
@@ -74,6 +76,10 @@ class UnsafePickleError(ReshardError):
 
 class StorageError(ReshardError, OSError):
     """The storage backend failed. The original exception is ``__cause__``."""
+
+
+class MissingFileError(StorageError, FileNotFoundError):
+    """A file the operation needs does not exist."""
 
 
 class PathNotAllowedError(ReshardError, PermissionError):

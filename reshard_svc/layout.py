@@ -37,6 +37,7 @@ __all__ = [
     "Shard",
     "StridedShard",
     "WriteItem",
+    "choose_writers",
     "local_slices",
     "parse_placement",
     "parse_placements",
@@ -94,6 +95,12 @@ class Box:
     def relative_to(self, outer: Box) -> Box:
         """This box with offsets measured from ``outer``'s corner."""
         return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
+
+    def slices_in(self, outer: Box) -> tuple[slice, ...]:
+        """Index of this box inside a tensor that holds exactly ``outer``."""
+        return tuple(
+            slice(i - o, i - o + s) for o, i, s in zip(outer.offsets, self.offsets, self.sizes)
+        )
 
     def to_json(self) -> dict[str, list[int]]:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes)}
@@ -491,15 +498,31 @@ class Layout:
             for box in boxes:
                 if not box.is_empty:
                     holders.setdefault(box, []).append(rank)
-        order = sorted(holders, key=lambda b: (-b.numel, b.offsets))
-        writers: dict[Box, int] = {}
-        for box in order:
-            hs = holders[box]
-            salt = zlib.crc32(repr((shape, box.offsets, box.sizes)).encode()) % world
-            w = min(hs, key=lambda r: (load[r], (r - salt) % world))
-            load[w] += box.numel * itemsize
-            writers[box] = w
+        writers = choose_writers(holders, shape, itemsize, load)
         return [WriteItem(b, tuple(holders[b]), writers[b]) for b in sorted(holders)]
+
+
+def choose_writers(
+    holders: dict[Box, list[int]] | dict[Box, tuple[int, ...]],
+    salt: Sequence[int],
+    itemsize: int,
+    load: MutableSequence[int],
+) -> dict[Box, int]:
+    """One writer per box: the least-loaded holder, biggest boxes first.
+
+    Ties break by a rotation derived from ``salt`` (the global shape) and the box, so
+    equal replicated tensors spread over ranks. ``load`` (bytes per rank) is updated in
+    place; the answer depends only on the arguments, so every rank computes the same.
+    """
+    world = len(load)
+    writers: dict[Box, int] = {}
+    for box in sorted(holders, key=lambda b: (-b.numel, b.offsets)):
+        hs = holders[box]
+        rot = zlib.crc32(repr((tuple(salt), box.offsets, box.sizes)).encode()) % world
+        w = min(hs, key=lambda r: (load[r], (r - rot) % world))
+        load[w] += box.numel * itemsize
+        writers[box] = w
+    return writers
 
 
 def _check_shape(global_shape: Sequence[int]) -> tuple[int, ...]:

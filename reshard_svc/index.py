@@ -1,0 +1,284 @@
+"""``reshard.index.json``: the versioned, human-readable manifest of a checkpoint (format v1).
+
+::
+
+    {
+      "format": "reshard", "format_version": 1, "created_by": "reshard_svc 0.1.0",
+      "tensors": {
+        "model.layers.0.attn.wq.weight": {
+          "dtype": "bfloat16", "shape": [4096, 4096],
+          "layout": {"mesh": {"shape": [4], "names": ["tp"]}, "placements": ["S(0)"]},
+          "chunks": [{"offsets": [0, 0], "sizes": [1024, 4096],
+                      "file": "shard-00000-000.safetensors", "byte_range": [96, 8388704]}]
+        }
+      },
+      "files": {"shard-00000-000.safetensors": {"size": 8388704, "sha256": "..."}},
+      "extras": {"step": 100}
+    }
+
+The index is written last; its presence is the commit. Parsing validates structure and
+raises typed errors; :meth:`CheckpointIndex.check` validates geometry (chunks tile each
+tensor, byte ranges match chunk sizes and lie inside their files).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard_svc.boxes import check_tiling
+from reshard_svc.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InconsistentIndexError,
+    LayoutError,
+    UnsupportedFormatError,
+)
+from reshard_svc.layout import Box, Layout
+from reshard_svc.safetensors_io import dtype_from_name, dtype_name, itemsize
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "Chunk",
+    "CheckpointIndex",
+    "FileMeta",
+    "TensorMeta",
+]
+
+INDEX_NAME = "reshard.index.json"
+FORMAT_NAME = "reshard"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored box of a tensor: raw row-major bytes ``[begin, end)`` of ``file``."""
+
+    box: Box
+    file: str
+    begin: int
+    end: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.box.to_json(),
+            "file": self.file,
+            "byte_range": [self.begin, self.end],
+        }
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: Layout | None
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dtype": dtype_name(self.dtype),
+            "shape": list(self.shape),
+            "layout": self.layout.to_json() if self.layout else None,
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+
+
+@dataclass(frozen=True)
+class FileMeta:
+    size: int
+    sha256: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+@dataclass
+class CheckpointIndex:
+    """A whole checkpoint's metadata. ``source`` says what it was read from."""
+
+    tensors: dict[str, TensorMeta]
+    files: dict[str, FileMeta]
+    extras: dict[str, Any] = field(default_factory=dict)
+    source: str = FORMAT_NAME
+    created_by: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "created_by": self.created_by,
+            "tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)},
+            "files": {k: self.files[k].to_json() for k in sorted(self.files)},
+            "extras": self.extras,
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes, where: str = INDEX_NAME) -> CheckpointIndex:
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e
+        return cls.from_json(data, where)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = INDEX_NAME) -> CheckpointIndex:
+        if not isinstance(data, dict):
+            raise CorruptCheckpointError(f"{where}: top level must be a JSON object")
+        if data.get("format") != FORMAT_NAME:
+            raise UnsupportedFormatError(
+                f"{where}: format is {data.get('format')!r}, expected {FORMAT_NAME!r}"
+            )
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{where}: format_version {version!r} is not supported by this release "
+                f"(reads version {FORMAT_VERSION}); upgrade reshard-svc"
+            )
+        files_raw = _obj(data, "files", where)
+        files: dict[str, FileMeta] = {}
+        for name, f in files_raw.items():
+            fw = f"{where}: files[{name!r}]"
+            _check_file_name(name, fw)
+            if not isinstance(f, dict):
+                raise CorruptCheckpointError(f"{fw} must be an object")
+            size = _int(f.get("size"), f"{fw}.size")
+            sha = f.get("sha256")
+            if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
+                raise CorruptCheckpointError(f"{fw}.sha256 must be 64 hex characters")
+            files[name] = FileMeta(size, sha)
+        tensors: dict[str, TensorMeta] = {}
+        for name, t in _obj(data, "tensors", where).items():
+            tensors[name] = _tensor_from_json(name, t, where)
+        extras = data.get("extras", {})
+        if not isinstance(extras, dict):
+            raise CorruptCheckpointError(f"{where}: extras must be a JSON object")
+        return cls(tensors, files, extras, FORMAT_NAME, str(data.get("created_by", "")))
+
+    def check(self) -> None:
+        """Geometry checks: tiling, byte ranges, file references. Raises on the first problem."""
+        for t in self.tensors.values():
+            where = f"tensor {t.name!r}"
+            for c in t.chunks:
+                if c.box.ndim != len(t.shape):
+                    raise InconsistentIndexError(
+                        f"{where}: chunk {c.box.offsets} has {c.box.ndim} dims, shape has "
+                        f"{len(t.shape)}"
+                    )
+                want = c.box.numel * t.itemsize
+                if c.end - c.begin != want:
+                    raise InconsistentIndexError(
+                        f"{where}: chunk {c.box.offsets}+{c.box.sizes} spans "
+                        f"{c.end - c.begin} bytes of {c.file} but needs {want}"
+                    )
+                meta = self.files.get(c.file)
+                if meta is None:
+                    raise InconsistentIndexError(
+                        f"{where}: chunk refers to {c.file!r}, which the index does not list"
+                    )
+                if c.begin < 0 or c.end > meta.size:
+                    raise InconsistentIndexError(
+                        f"{where}: byte range [{c.begin}, {c.end}) lies outside {c.file} "
+                        f"({meta.size} bytes)"
+                    )
+            check_tiling(t.shape, [c.box for c in t.chunks], what=where)
+        spans: dict[str, list[tuple[int, int, str]]] = {}
+        for t in self.tensors.values():
+            for c in t.chunks:
+                if c.end > c.begin:
+                    spans.setdefault(c.file, []).append((c.begin, c.end, t.name))
+        for fname, ss in spans.items():
+            ss.sort()
+            for (_, e0, n0), (b1, _, n1) in zip(ss, ss[1:]):
+                if b1 < e0:
+                    raise InconsistentIndexError(
+                        f"{fname}: byte ranges of {n0!r} and {n1!r} overlap"
+                    )
+
+
+def _obj(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = data.get(key)
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{where}: {key!r} must be a JSON object")
+    return value
+
+
+def _int(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CorruptCheckpointError(f"{where} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise CorruptCheckpointError(f"{where} must be a list of integers, got {value!r}")
+    return tuple(_int(v, where) for v in value)
+
+
+def _check_file_name(name: str, where: str) -> None:
+    # File names are relative names inside the checkpoint folder, never paths.
+    if not name or "/" in name or "\\" in name or name in (".", "..") or "::" in name:
+        raise CorruptCheckpointError(f"{where}: {name!r} is not a plain file name")
+
+
+def _tensor_from_json(name: str, t: Any, where: str) -> TensorMeta:
+    tw = f"{where}: tensors[{name!r}]"
+    if not isinstance(t, dict):
+        raise CorruptCheckpointError(f"{tw} must be an object")
+    dtype = dtype_from_name(t.get("dtype"))  # type: ignore[arg-type]
+    shape = _ints(t.get("shape"), f"{tw}.shape")
+    layout = None
+    if t.get("layout") is not None:
+        try:
+            layout = Layout.from_json(t["layout"])
+        except LayoutError as e:
+            raise CorruptCheckpointError(f"{tw}.layout: {e}") from e
+    chunks_raw = t.get("chunks")
+    if not isinstance(chunks_raw, list):
+        raise CorruptCheckpointError(f"{tw}.chunks must be a list")
+    chunks = []
+    for i, c in enumerate(chunks_raw):
+        cw = f"{tw}.chunks[{i}]"
+        if not isinstance(c, dict):
+            raise CorruptCheckpointError(f"{cw} must be an object")
+        offs = _ints(c.get("offsets"), f"{cw}.offsets")
+        sizes = _ints(c.get("sizes"), f"{cw}.sizes")
+        if len(offs) != len(sizes):
+            raise CorruptCheckpointError(f"{cw}: offsets and sizes differ in length")
+        fname = c.get("file")
+        if not isinstance(fname, str):
+            raise CorruptCheckpointError(f"{cw}.file must be a file name")
+        _check_file_name(fname, cw)
+        br = _ints(c.get("byte_range"), f"{cw}.byte_range")
+        if len(br) != 2 or br[0] > br[1]:
+            raise CorruptCheckpointError(f"{cw}.byte_range must be [begin, end]")
+        chunks.append(Chunk(Box(offs, sizes), fname, br[0], br[1]))
+    return TensorMeta(name, dtype, shape, layout, tuple(chunks))
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise CheckpointError(message) unless ``condition`` holds (never ``assert``)."""
+    if not condition:
+        raise CheckpointError(message)

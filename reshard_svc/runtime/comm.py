@@ -1,0 +1,132 @@
+"""Collectives the runtime needs, over one process group, with nothing pickled.
+
+Metadata travels as JSON bytes in uint8 tensors; data travels with ``all_to_all_single``.
+Buffers live on CUDA when the group's backend is NCCL and on the CPU otherwise (gloo), so
+the same code runs on both. Without an initialised process group, a :class:`Comm` is a
+world of one and every collective is a local no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from reshard_svc.errors import DistributedError
+
+__all__ = ["Comm"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Comm:
+    """A process group seen by one rank. Every method is called by every rank, in order."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(process_group)
+            self.world = dist.get_world_size(process_group)
+            backend = str(dist.get_backend(process_group)).lower()
+            self.device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if "nccl" in backend and torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+            self.distributed = True
+        else:
+            self.rank, self.world, self.device, self.distributed = 0, 1, torch.device("cpu"), False
+
+    def group_rank(self, global_rank: int) -> int:
+        """A WORLD rank (as DeviceMesh stores them) in this group's numbering."""
+        if not self.distributed or self.group is None or self.group == dist.group.WORLD:
+            return global_rank
+        r = dist.get_group_rank(self.group, global_rank)
+        if r < 0:
+            raise DistributedError(f"rank {global_rank} is not in the process group")
+        return r
+
+    # ---- metadata
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        raw = json.dumps(obj).encode()
+        if not self.distributed or self.world == 1:
+            return [json.loads(raw)]
+        n = torch.tensor([len(raw)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        dist.all_gather(sizes, n, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        if raw:
+            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        outs = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(outs, buf, group=self.group)
+        return [
+            json.loads(bytes(o[: int(s.item())].cpu().numpy().tobytes()))
+            for o, s in zip(outs, sizes)
+        ]
+
+    def broadcast_json(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if not self.distributed or self.world == 1:
+            return obj
+        return self.all_gather_json(obj if self.rank == src else None)[src]
+
+    def run_everywhere(self, what: str, fn: Callable[[], T]) -> tuple[T, list[Any]]:
+        """Run ``fn`` on every rank; if any rank fails, every rank raises.
+
+        The failing rank re-raises its own exception; the others raise DistributedError
+        naming the failed ranks and their messages (as text — nothing is pickled).
+        Returns this rank's result and the JSON-able results of all ranks.
+        """
+        err: BaseException | None = None
+        result: Any = None
+        try:
+            result = fn()
+        except Exception as e:  # collected, then re-raised below on every rank
+            err = e
+        payload = {"error": f"{type(err).__name__}: {err}" if err else None}
+        if err is None:
+            payload["result"] = result if _jsonable(result) else None
+        gathered = self.all_gather_json(payload)
+        failures = {i: g["error"] for i, g in enumerate(gathered) if g["error"]}
+        if err is not None:
+            raise err
+        if failures:
+            text = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+            raise DistributedError(f"{what} failed on {len(failures)} rank(s): {text}", failures)
+        return result, [g.get("result") for g in gathered]
+
+    # ---- data
+
+    def all_to_all(
+        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    ) -> torch.Tensor:
+        """Exchange uint8 buffers: ``send_splits[d]`` bytes to rank d, ``recv_splits[s]`` from s."""
+        total = int(sum(recv_splits))
+        if not self.distributed or self.world == 1:
+            return send
+        recv = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if send.device != self.device:
+            send = send.to(self.device)
+        dist.all_to_all_single(
+            recv, send, list(map(int, recv_splits)), list(map(int, send_splits)), group=self.group
+        )
+        return recv
+
+    def barrier(self) -> None:
+        if self.distributed and self.world > 1:
+            dist.barrier(group=self.group)
+
+
+def _jsonable(x: Any) -> bool:
+    try:
+        json.dumps(x)
+    except (TypeError, ValueError):
+        return False
+    return True

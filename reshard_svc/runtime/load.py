@@ -1,0 +1,131 @@
+"""``load``: fill the caller's DTensors / Tensors in place from any checkpoint layout.
+
+Every rank calls :func:`load` with state dicts of the same keys. Rank 0 opens the
+checkpoint (index or headers) and broadcasts its description; every rank computes the
+same read plan; each needed stored byte is read by exactly one rank and the rest moves by
+``all_to_all`` (gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard_svc.errors import StateDictError
+from reshard_svc.index import CheckpointIndex
+from reshard_svc.read_plan import Part, plan_reads
+from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.exchange import Progress, execute
+from reshard_svc.runtime.targets import Placed, describe
+from reshard_svc.sources import open_checkpoint
+from reshard_svc.state_dict import flatten, unflatten
+from reshard_svc.storage import FsspecStorage, open_storage
+
+__all__ = ["DEFAULT_MAX_MEMORY", "LoadStats", "load", "open_shared"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    bytes_read: int  # by this rank, from storage
+    bytes_total: int  # size of the loaded tensors in the checkpoint
+    waves: int
+
+
+def open_shared(
+    uri: str, comm: Comm, storage_options: Mapping[str, Any] | None = None
+) -> tuple[FsspecStorage, CheckpointIndex]:
+    """Rank 0 opens and validates the checkpoint; every rank gets the same index."""
+    storage = open_storage(uri, storage_options)
+
+    def opener() -> Any:
+        if comm.rank != 0:
+            return None
+        _, index = open_checkpoint(storage)
+        return {"index": index.to_json(), "source": index.source}
+
+    _, results = comm.run_everywhere(f"opening checkpoint {uri}", opener)
+    index = CheckpointIndex.from_json(results[0]["index"], uri)
+    index.source = results[0]["source"]
+    return storage, index
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    uri: str,
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> LoadStats:
+    """Load a checkpoint into ``state_dict`` in place, whatever the layouts on either side.
+
+    ``strict`` (default) raises :class:`StateDictError` on keys missing from the checkpoint
+    or present in it but not in ``state_dict``; ``strict=False`` loads the intersection.
+    Non-tensor entries are replaced by the stored JSON values.
+    """
+    comm = Comm(process_group)
+    storage, index = open_shared(uri, comm, storage_options)
+    placed: dict[str, Placed] = {}
+
+    def prepare() -> None:
+        leaves = flatten(state_dict)  # type: ignore[arg-type]
+        tensor_keys = {k for k, v in leaves.items() if v.kind != "extra"}
+        extra_keys = set(leaves) - tensor_keys
+        # An empty dict placeholder receives every stored extra nested under its name.
+        for name in sorted(extra_keys - set(index.extras)):
+            leaf = leaves[name]
+            nested = {k: v for k, v in index.extras.items() if k.startswith(name + ".")}
+            if leaf.value == {} and nested:
+                leaf.parent[leaf.key] = unflatten(nested, len(name) + 1)
+                extra_keys.discard(name)
+        missing = sorted((tensor_keys - set(index.tensors)) | (extra_keys - set(index.extras)))
+        unexpected = sorted(set(index.tensors) - tensor_keys)
+        if strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing from the checkpoint: {_names(missing)}")
+            if unexpected:
+                parts.append(f"in the checkpoint but not in state_dict: {_names(unexpected)}")
+            raise StateDictError(
+                f"load({uri!r}): {'; '.join(parts)} (pass strict=False to load the rest)"
+            )
+        for name in sorted(tensor_keys & set(index.tensors)):
+            p = describe(leaves[name], comm)
+            meta = index.tensors[name]
+            if p.shape != meta.shape:
+                raise StateDictError(
+                    f"{name!r}: state_dict has shape {list(p.shape)} but the checkpoint "
+                    f"has {list(meta.shape)}"
+                )
+            placed[name] = p
+        for name in sorted(extra_keys & set(index.extras)):
+            leaves[name].parent[leaves[name].key] = index.extras[name]
+
+    comm.run_everywhere(f"load({uri!r}): matching keys", prepare)
+    plan = plan_reads(index, {n: p.boxes for n, p in placed.items()}, comm.world, max_memory)
+    box_index = [(t.tensor, t.box) for t in plan.targets]
+
+    @torch.no_grad()
+    def sink(part: Part, data: torch.Tensor) -> None:
+        name, tbox = box_index[part.target]
+        view = placed[name].local[tbox]
+        view[part.box.slices_in(tbox)].copy_(data)
+
+    dtypes = {n: m.dtype for n, m in index.tensors.items()}
+    read = execute(plan, storage, dtypes, comm, sink, progress)
+    return LoadStats(read, sum(index.tensors[n].nbytes for n in placed), len(plan.waves))
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

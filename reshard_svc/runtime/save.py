@@ -1,0 +1,169 @@
+"""``save``: every rank of a job writes its share of a state dict; rank 0 commits.
+
+Order of events (every rank calls :func:`save` with the same keys):
+
+1. each rank describes its tensors; ranks agree on one plan digest and rank 0's token;
+2. each rank streams the boxes it was assigned into safetensors files in the staging
+   area, hashing as it writes;
+3. rank 0 writes ``reshard.index.json`` and commits (rename locally, index-last on object
+   stores). Any failure on any rank aborts the staging area on every path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from reshard_svc import __version__
+from reshard_svc.errors import CheckpointError, StateDictError
+from reshard_svc.index import INDEX_NAME, CheckpointIndex, FileMeta, TensorMeta
+from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.targets import Placed, describe
+from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
+from reshard_svc.state_dict import flatten
+from reshard_svc.storage import FsspecStorage, HashingWriter, open_storage
+
+__all__ = ["save", "write_box"]
+
+logger = logging.getLogger(__name__)
+
+#: Boxes are copied (and moved off the GPU) in row bands of at most this many bytes.
+WRITE_BAND_BYTES = 64 * 1024 * 1024
+
+
+def write_box(out: HashingWriter, view: torch.Tensor) -> None:
+    """Stream one box's bytes, row-major, in bands; only one band is copied at a time."""
+    if view.dim() == 0 or view.numel() == 0:
+        bands = [view]
+    else:
+        row = max(1, view[0].numel() * view.element_size())
+        step = max(1, WRITE_BAND_BYTES // row)
+        bands = [view[i : i + step] for i in range(0, view.shape[0], step)]
+    for band in bands:
+        band = band.detach()
+        if band.device.type != "cpu":
+            band = band.to("cpu")
+        band = band.contiguous().reshape(-1)
+        if band.numel():
+            out.write(memoryview(band.view(torch.uint8).numpy()))
+
+
+def _write_file(staging: FsspecStorage, spec: FileSpec, placed: dict[str, Placed]) -> list[Any]:
+    with staging.open_write(spec.name) as raw:
+        w = HashingWriter(raw)
+        w.write(spec.header)
+        for name, box in spec.entries:
+            view = placed[name].local.get(box)
+            if view is None:  # the plan only assigns boxes to their holders
+                raise CheckpointError(f"rank holds no data for {name!r} box {box}")
+            write_box(w, view)
+    if w.size != spec.size:
+        raise CheckpointError(f"{spec.name}: wrote {w.size} bytes, planned {spec.size}")
+    return [spec.name, w.size, w.hexdigest()]
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    uri: str,
+    *,
+    process_group: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointIndex:
+    """Save a (nested) state dict of DTensors, Tensors, ShardedTensors and JSON values.
+
+    Called by every rank of ``process_group`` (default: the whole job; without an
+    initialised process group, a single process). Returns the committed index.
+    """
+    comm = Comm(process_group)
+    storage = open_storage(uri, storage_options)
+
+    def prepare() -> dict[str, Any]:
+        leaves = flatten(state_dict)
+        placed: dict[str, Placed] = {}
+        extras: dict[str, Any] = {}
+        for name, leaf in leaves.items():
+            if leaf.kind == "extra":
+                extras[name] = leaf.value
+            else:
+                placed[name] = describe(leaf, comm)
+        sig = json.dumps(
+            [p.signature() for p in placed.values()] + [sorted(extras)], sort_keys=True
+        )
+        if comm.rank == 0:
+            storage.check_target(INDEX_NAME)
+        state["placed"], state["extras"] = placed, extras
+        return {"digest": hashlib.sha256(sig.encode()).hexdigest(), "token": uuid.uuid4().hex}
+
+    state: dict[str, Any] = {}
+    _, infos = comm.run_everywhere("save: describing the state dict", prepare)
+    digests = {i["digest"] for i in infos}
+    if len(digests) != 1:
+        raise StateDictError(
+            "ranks passed different state dicts to save (keys, shapes, dtypes or layouts "
+            "differ); every rank must save the same keys"
+        )
+    token = infos[0]["token"]
+    placed: dict[str, Placed] = state["placed"]
+    staging = storage.staging(token)
+    plan = plan_save(
+        [
+            TensorPlacement(p.name, p.dtype, p.shape, p.layout, tuple(p.boxes))
+            for p in placed.values()
+        ],
+        comm.world,
+        token=token,
+        file_suffix=staging.file_suffix,
+    )
+
+    def write() -> list[Any]:
+        return [_write_file(staging, spec, placed) for spec in plan.files_of(comm.rank)]
+
+    try:
+        _, written = comm.run_everywhere("save: writing data files", write)
+    except Exception:
+        if comm.rank == 0:
+            storage.abort(staging)
+        raise
+    files = {name: FileMeta(size, sha) for per_rank in written for name, size, sha in per_rank}
+    index = CheckpointIndex(
+        tensors={
+            p.name: TensorMeta(p.name, p.dtype, p.shape, p.layout, plan.chunks[p.name])
+            for p in placed.values()
+        },
+        files=files,
+        extras=dict(state["extras"]),
+        created_by=f"reshard_svc {__version__}",
+    )
+
+    def commit() -> None:
+        if comm.rank != 0:
+            return
+        previous = _committed_files(storage)
+        try:
+            index.check()
+            storage.commit(staging, INDEX_NAME, index.dumps())
+        except Exception:
+            storage.abort(staging)
+            raise
+        for name in previous - set(files):
+            if staging.file_suffix:  # object stores: drop the replaced checkpoint's files
+                storage.remove(name)
+        logger.info("committed %s: %d tensors, %d files", uri, len(index.tensors), len(files))
+
+    comm.run_everywhere("save: commit", commit)
+    return index
+
+
+def _committed_files(storage: FsspecStorage) -> set[str]:
+    if not storage.exists(INDEX_NAME):
+        return set()
+    try:
+        return set(CheckpointIndex.loads(storage.read(INDEX_NAME)).files)
+    except CheckpointError:
+        return set()

@@ -1,0 +1,102 @@
+"""The save plan: which rank writes which box to which file, at which byte offsets.
+
+Pure: computed identically on every rank from the tensors' global metadata, so no plan
+needs to be exchanged. Each distinct box is written once, by a byte-balanced choice among
+its holders (:func:`reshard_svc.layout.choose_writers`, balanced across all tensors).
+
+A safetensors file holds one key per tensor name, so a rank that writes several boxes of
+one tensor (strided shards such as a fused QKV) puts the k-th box of each tensor in its
+k-th file. Every file's header — and so every chunk's byte range — is known here, before
+any data moves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from reshard_svc.index import Chunk
+from reshard_svc.layout import Box, Layout, choose_writers
+from reshard_svc.safetensors_io import encode_header, itemsize
+
+__all__ = ["FileSpec", "SavePlan", "TensorPlacement", "plan_save"]
+
+DCP_VERSION = "1.0"
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where one tensor's data lives at save time (ranks of the saving process group)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: Layout | None
+    boxes: tuple[tuple[Box, tuple[int, ...]], ...]  # distinct non-empty boxes, holders
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    name: str
+    writer: int
+    entries: tuple[tuple[str, Box], ...]  # (tensor name, box) in data order
+    header: bytes
+    size: int
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    files: tuple[FileSpec, ...]
+    chunks: dict[str, tuple[Chunk, ...]]
+
+    def files_of(self, rank: int) -> list[FileSpec]:
+        return [f for f in self.files if f.writer == rank]
+
+
+def plan_save(
+    tensors: list[TensorPlacement], world: int, *, token: str = "", file_suffix: str = ""
+) -> SavePlan:
+    """Plan a save of ``tensors`` by ``world`` ranks. Same inputs, same plan, on every rank."""
+    load = [0] * world
+    per_rank: dict[int, list[tuple[str, Box]]] = {}
+    by_name = {t.name: t for t in tensors}
+    for t in sorted(tensors, key=lambda t: t.name):
+        holders = dict(t.boxes)
+        writers = choose_writers(holders, t.shape, itemsize(t.dtype), load)
+        for box in sorted(holders):
+            per_rank.setdefault(writers[box], []).append((t.name, box))
+
+    files: list[FileSpec] = []
+    chunks: dict[str, list[Chunk]] = {t.name: [] for t in tensors}
+    for rank in sorted(per_rank):
+        groups: list[list[tuple[str, Box]]] = []
+        seen: dict[str, int] = {}
+        for name, box in per_rank[rank]:
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            if k == len(groups):
+                groups.append([])
+            groups[k].append((name, box))
+        for k, entries in enumerate(groups):
+            fname = f"shard-{rank:05d}-{k:03d}{file_suffix}.safetensors"
+            sharding = {n: {"saved_offsets": list(b.offsets)} for n, b in entries}
+            metadata = {
+                "DCP_SHARDING_INFO": json.dumps(sharding),
+                "DCP_VERSION": DCP_VERSION,
+                "format": "pt",
+            }
+            if token:
+                metadata["RESHARD_SAVE"] = token
+            header, ranges = encode_header(
+                [(n, by_name[n].dtype, b.sizes) for n, b in entries], metadata
+            )
+            size = max((e for _, e in ranges.values()), default=len(header))
+            for n, b in entries:
+                begin, end = ranges[n]
+                chunks[n].append(Chunk(b, fname, begin, end))
+            files.append(FileSpec(fname, rank, tuple(entries), header, size))
+    return SavePlan(
+        tuple(files), {n: tuple(sorted(c, key=lambda c: c.box)) for n, c in chunks.items()}
+    )

@@ -1,0 +1,133 @@
+"""Open any supported checkpoint folder as a :class:`CheckpointIndex`.
+
+* native reshard_svc checkpoints (``reshard.index.json``);
+* torch DCP Hugging Face safetensors folders (``HuggingFaceStorageWriter``): chunk
+  offsets from each file's ``DCP_SHARDING_INFO``;
+* plain Hugging Face folders (``model*.safetensors``): every tensor whole;
+* torch DCP ``.distcp`` folders: ``.metadata`` through the allow-listed unpickler.
+
+Foreign folders are described from their headers alone (ranged reads of each file's
+first bytes); no tensor data is fetched to open a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from reshard_svc.errors import CorruptCheckpointError, InconsistentIndexError, NotACheckpointError
+from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.layout import Box
+from reshard_svc.safetensors_io import ParsedHeader, parse_header
+from reshard_svc.storage import FsspecStorage, open_storage
+
+__all__ = ["SAVE_TOKEN_KEY", "open_checkpoint", "read_header"]
+
+logger = logging.getLogger(__name__)
+
+#: Metadata key our data files carry; a folder of such files without an index is an
+#: uncommitted save and must not be mistaken for a foreign checkpoint.
+SAVE_TOKEN_KEY = "RESHARD_SAVE"
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+_PROBE = 64 * 1024
+
+
+def read_header(storage: FsspecStorage, name: str, size: int) -> ParsedHeader:
+    """Parse one safetensors file's header with at most two ranged reads."""
+    want = min(size, _PROBE)
+    (prefix,) = storage.read_ranges([(name, 0, want)]) if want else [memoryview(b"")]
+    result = parse_header(bytes(prefix), size, name)
+    if isinstance(result, int):
+        (prefix,) = storage.read_ranges([(name, 0, result)])
+        result = parse_header(bytes(prefix), size, name)
+    if isinstance(result, int):  # pragma: no cover - parse_header asked for bytes it has
+        raise CorruptCheckpointError(f"{name}: could not read its header")
+    return result
+
+
+def open_checkpoint(
+    uri: str | FsspecStorage, storage_options: dict[str, Any] | None = None
+) -> tuple[FsspecStorage, CheckpointIndex]:
+    """Open a checkpoint folder and describe it. Raises NotACheckpointError if it is none."""
+    storage = uri if isinstance(uri, FsspecStorage) else open_storage(uri, storage_options)
+    names = storage.listdir()
+    if INDEX_NAME in names:
+        index = CheckpointIndex.loads(storage.read(INDEX_NAME), f"{storage.uri}/{INDEX_NAME}")
+        index.check()
+        return storage, index
+    st_files = [n for n in names if n.endswith(".safetensors")]
+    if st_files:
+        return storage, _from_safetensors(storage, st_files)
+    if ".metadata" in names:
+        from reshard_svc.dcp_pickle import index_from_distcp
+
+        return storage, index_from_distcp(storage)
+    raise NotACheckpointError(
+        f"{storage.uri}: no {INDEX_NAME}, safetensors files or DCP .metadata — not a "
+        "checkpoint (or a save that never committed)"
+    )
+
+
+def _from_safetensors(storage: FsspecStorage, files: list[str]) -> CheckpointIndex:
+    sizes = {n: storage.size(n) for n in files}
+    chunks: dict[str, list[tuple[Chunk, Any]]] = {}
+    dcp = False
+    for name in files:
+        header = read_header(storage, name, sizes[name])
+        if SAVE_TOKEN_KEY in header.metadata:
+            raise NotACheckpointError(
+                f"{storage.uri}: holds data files of a reshard save but no {INDEX_NAME}: "
+                "the save never committed"
+            )
+        sharding: dict[str, Any] = {}
+        if DCP_SHARDING_INFO in header.metadata:
+            dcp = True
+            try:
+                sharding = json.loads(header.metadata[DCP_SHARDING_INFO])
+            except json.JSONDecodeError as e:
+                raise CorruptCheckpointError(f"{name}: {DCP_SHARDING_INFO} is not JSON") from e
+            if not isinstance(sharding, dict):
+                raise CorruptCheckpointError(f"{name}: {DCP_SHARDING_INFO} is not an object")
+        for key, entry in header.entries.items():
+            offsets: Any = [0] * len(entry.shape)
+            if key in sharding:
+                info = sharding[key]
+                offsets = info.get("saved_offsets") if isinstance(info, dict) else None
+                if (
+                    not isinstance(offsets, list)
+                    or len(offsets) != len(entry.shape)
+                    or not all(isinstance(o, int) and o >= 0 for o in offsets)
+                ):
+                    raise CorruptCheckpointError(
+                        f"{name}: {DCP_SHARDING_INFO}[{key!r}].saved_offsets is {offsets!r}, "
+                        f"expected {len(entry.shape)} non-negative ints"
+                    )
+            box = Box(tuple(offsets), entry.shape)
+            chunks.setdefault(key, []).append((Chunk(box, name, entry.begin, entry.end), entry))
+    tensors: dict[str, TensorMeta] = {}
+    for key, items in chunks.items():
+        dtypes = {e.dtype for _, e in items}
+        if len(dtypes) != 1:
+            raise InconsistentIndexError(
+                f"tensor {key!r}: shards disagree on dtype ({', '.join(sorted(map(str, dtypes)))})"
+            )
+        ndims = {len(e.shape) for _, e in items}
+        if len(ndims) != 1:
+            raise InconsistentIndexError(f"tensor {key!r}: shards disagree on the number of dims")
+        boxes = [c.box for c, _ in items]
+        shape = tuple(max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(ndims.pop()))
+        tensors[key] = TensorMeta(
+            key,
+            dtypes.pop(),
+            shape,
+            None,
+            tuple(sorted((c for c, _ in items), key=lambda c: c.box)),
+        )
+    index = CheckpointIndex(
+        tensors,
+        {n: FileMeta(sizes[n]) for n in files},
+        source="dcp-hf" if dcp else "hf",
+    )
+    index.check()
+    return index

@@ -1,0 +1,123 @@
+"""Flatten nested state dicts to dotted keys and classify their values.
+
+``{"model": {...}, "optim": {"state": {...}, "param_groups": [...]}}`` — what
+``torch.distributed.checkpoint.state_dict.get_state_dict`` returns — flattens to
+``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ... Tensors (plain, DTensor, ShardedTensor)
+are stored as tensors; JSON-able values go to the index's ``extras``; anything else is a
+typed error naming the key. ``load`` flattens the caller's dict the same way and writes
+values back through the recorded (parent, key) slots, so the nesting round-trips.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard_svc import _compat
+from reshard_svc.errors import StateDictError
+
+__all__ = ["Leaf", "flatten", "unflatten"]
+
+
+@dataclass
+class Leaf:
+    """A leaf of a nested state dict: its dotted name, value and where it lives."""
+
+    name: str
+    value: Any
+    parent: MutableMapping[Any, Any]
+    key: Any
+
+    @property
+    def kind(self) -> str:
+        if _compat.is_dtensor(self.value):
+            return "dtensor"
+        if _compat.is_sharded_tensor(self.value):
+            return "sharded"
+        if isinstance(self.value, torch.Tensor):
+            return "tensor"
+        return "extra"
+
+
+def flatten(state_dict: Mapping[Any, Any]) -> dict[str, Leaf]:
+    """Dotted name -> leaf. Raises StateDictError on unsupported values or name clashes."""
+    if not isinstance(state_dict, Mapping):
+        raise StateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    out: dict[str, Leaf] = {}
+    _walk(state_dict, "", out)
+    return out
+
+
+def unflatten(flat: Mapping[str, Any], strip: int = 0) -> dict[str, Any]:
+    """Nest dotted names back into dicts (``strip`` leading characters dropped first)."""
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        parts = name[strip:].split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _walk(d: Mapping[Any, Any], prefix: str, out: dict[str, Leaf]) -> None:
+    for key, value in d.items():
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise StateDictError(
+                f"key {prefix}{key!r} is a {type(key).__name__}: state dict keys must be "
+                "strings (or ints)"
+            )
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not _is_tensor_like(value):
+            if not value:
+                _add(out, Leaf(name, {}, d, key))  # type: ignore[arg-type]
+                continue
+            _walk(value, name + ".", out)
+            continue
+        leaf = Leaf(name, value, d, key)  # type: ignore[arg-type]
+        if leaf.kind == "extra":
+            _check_json(name, value)
+        _add(out, leaf)
+
+
+def _add(out: dict[str, Leaf], leaf: Leaf) -> None:
+    if leaf.name in out:
+        raise StateDictError(
+            f"two entries flatten to the same name {leaf.name!r}: rename one of the keys"
+        )
+    out[leaf.name] = leaf
+
+
+def _is_tensor_like(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _check_json(name: str, value: Any) -> None:
+    def bad(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return True
+        if isinstance(v, float) and not math.isfinite(v):
+            return False  # json writes NaN/Infinity; python reads them back
+        if isinstance(v, (list, tuple)):
+            return any(bad(x) for x in v)
+        if isinstance(v, Mapping):
+            return any(bad(x) for x in v.values())
+        return False
+
+    if bad(value):
+        raise StateDictError(
+            f"state dict entry {name!r} nests tensors inside a list/tuple: store each "
+            "tensor under its own dict key"
+        )
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise StateDictError(
+            f"state dict entry {name!r} is a {type(value).__name__}, which is neither a "
+            f"tensor nor JSON-serializable ({e}); convert it or drop it"
+        ) from None

@@ -1,0 +1,33 @@
+"""Storage backends behind one protocol: ``open_storage(uri)`` picks the backend.
+
+Plain paths and ``file://`` get :class:`LocalStorage` (positioned reads, rename commit);
+every other fsspec protocol gets :class:`FsspecStorage`. Storage options (endpoints,
+credentials) come from the caller or from fsspec's own ``FSSPEC_<PROTOCOL>_*`` env
+configuration — never from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec.utils
+
+from reshard_svc.errors import StorageError
+from reshard_svc.storage.base import HashingWriter, Storage
+from reshard_svc.storage.fsspec_store import FsspecStorage
+from reshard_svc.storage.local import LocalStorage
+
+__all__ = ["FsspecStorage", "HashingWriter", "LocalStorage", "Storage", "open_storage"]
+
+
+def open_storage(uri: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:
+    """The storage for a checkpoint folder URI (``/path``, ``file://``, ``s3://``, ...)."""
+    if not isinstance(uri, str) or not uri:
+        raise StorageError(f"checkpoint URI must be a non-empty string, got {uri!r}")
+    if "::" in uri:
+        raise StorageError(f"chained fsspec URLs are not supported: {uri!r}")
+    protocol = fsspec.utils.get_protocol(uri)
+    if protocol in ("file", "local"):
+        return LocalStorage(uri, storage_options=storage_options)
+    return FsspecStorage(uri, storage_options)

@@ -1,0 +1,152 @@
+"""Module-level worker functions for the distributed tests (spawned processes import them)."""
+
+from __future__ import annotations
+
+import torch
+
+# name -> (shape, dtype)
+TENSORS = {
+    "model.embed.weight": ((37, 16), torch.float32),
+    "model.layers.0.qkv.weight": ((24, 16), torch.bfloat16),
+    "model.layers.0.o.weight": ((16, 23), torch.float32),
+    "model.layers.0.up.weight": ((41, 16), torch.bfloat16),
+    "model.layers.0.norm.weight": ((16,), torch.float32),
+    "model.tiny": ((3,), torch.float32),
+    "optim.state.step": ((), torch.float32),
+}
+
+
+def full_tensor(name: str) -> torch.Tensor:
+    """A deterministic global tensor per name (same on every rank)."""
+    shape, dtype = TENSORS[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def placements_for(name: str, mesh_ndim: int, variant: int) -> list[str]:
+    """Some realistic and some awkward placements per tensor, varied by ``variant``."""
+    if name == "optim.state.step":
+        return ["R"] * mesh_ndim
+    menu_1d = {
+        0: {
+            "qkv": "SS(0,3)",
+            "o": "S(1)",
+            "norm": "R",
+            "embed": "S(0)",
+            "up": "S(0)",
+            "tiny": "S(0)",
+        },
+        1: {"qkv": "S(0)", "o": "S(0)", "norm": "S(0)", "embed": "S(1)", "up": "R", "tiny": "R"},
+    }
+    menu_2d = {
+        0: {
+            "qkv": "SS(0,2),S(0)",
+            "o": "S(0),S(1)",
+            "norm": "S(0),R",
+            "embed": "R,S(0)",
+            "up": "S(1),S(0)",
+            "tiny": "S(0),S(0)",
+        },
+        1: {
+            "qkv": "R,SS(0,3)",
+            "o": "S(1),R",
+            "norm": "R,R",
+            "embed": "S(0),S(1)",
+            "up": "S(0),S(0)",
+            "tiny": "R,S(0)",
+        },
+    }
+    menu = menu_1d if mesh_ndim == 1 else menu_2d
+    key = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+    from reshard_svc.layout import _split_top_level
+
+    return _split_top_level(menu[variant % 2][key])
+
+
+def build_state_dict(mesh_shape: tuple[int, ...], variant: int, fill: bool = True) -> dict:
+    """Nested state dict of DTensors on ``mesh_shape`` (plain tensor for the scalar)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from reshard_svc import _compat
+    from reshard_svc.layout import parse_placements
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    sd: dict = {"model": {"layers": {"0": {}}}, "optim": {"state": {}}, "step": 0, "meta": {}}
+    for name in TENSORS:
+        g = full_tensor(name) if fill else torch.zeros_like(full_tensor(name))
+        if name == "optim.state.step":
+            sd["optim"]["state"]["step"] = g
+            continue
+        pls = _compat.to_torch_placements(
+            parse_placements(placements_for(name, len(mesh_shape), variant))
+        )
+        try:
+            dt = distribute_tensor(g, mesh, pls)
+        except AssertionError:
+            dt = distribute_tensor(g, mesh, pls, src_data_rank=None)
+        parts = name.split(".")
+        node = sd
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = dt
+    if fill:
+        sd["step"] = 42
+        sd["meta"] = {"note": "hello", "lrs": [0.1, 0.01]}
+    return sd
+
+
+def leaf(sd: dict, name: str):
+    node = sd
+    for p in name.split("."):
+        node = node[p]
+    return node
+
+
+def mismatches(sd: dict) -> list[str]:
+    """Tensor names whose full value differs from the expected global tensor."""
+    from reshard_svc import _compat
+
+    bad = []
+    for name in TENSORS:
+        v = leaf(sd, name)
+        full = v.full_tensor() if _compat.is_dtensor(v) else v
+        want = full_tensor(name)
+        if full.dtype != want.dtype or not torch.equal(full, want):
+            bad.append(name)
+    return bad
+
+
+def save_then_load(path: str, save_mesh, load_meshes) -> list:
+    """Save on ``save_mesh``; load into each of ``load_meshes`` (same world) and compare."""
+    import reshard_svc
+
+    sd = build_state_dict(tuple(save_mesh), 0)
+    reshard_svc.save(sd, path)
+    out = []
+    for i, mesh in enumerate(load_meshes):
+        target = build_state_dict(tuple(mesh), i + 1, fill=False)
+        stats = reshard_svc.load(target, path, max_memory=1024)
+        out.append(
+            {
+                "bad": mismatches(target),
+                "step": target["step"],
+                "meta": target["meta"],
+                "bytes_read": stats.bytes_read,
+                "bytes_total": stats.bytes_total,
+                "waves": stats.waves,
+            }
+        )
+    return out
+
+
+def load_only(path: str, mesh) -> dict:
+    import reshard_svc
+
+    target = build_state_dict(tuple(mesh), 1, fill=False)
+    stats = reshard_svc.load(target, path)
+    return {
+        "bad": mismatches(target),
+        "bytes_read": stats.bytes_read,
+        "bytes_total": stats.bytes_total,
+    }
