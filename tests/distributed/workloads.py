@@ -37,6 +37,7 @@ def placements_for(name: str, mesh_ndim: int, variant: int) -> list[str]:
             "tiny": "S(0)",
         },
         1: {"qkv": "S(0)", "o": "S(0)", "norm": "S(0)", "embed": "S(1)", "up": "R", "tiny": "R"},
+        2: {"qkv": "S(1)", "o": "R", "norm": "S(0)", "embed": "S(0)", "up": "S(1)", "tiny": "S(0)"},
     }
     menu_2d = {
         0: {
@@ -56,11 +57,19 @@ def placements_for(name: str, mesh_ndim: int, variant: int) -> list[str]:
             "tiny": "R,S(0)",
         },
     }
+    menu_2d[2] = {
+        "qkv": "S(1),S(0)",
+        "o": "R,S(1)",
+        "norm": "R,R",
+        "embed": "S(0),R",
+        "up": "S(0),S(1)",
+        "tiny": "S(0),R",
+    }
     menu = menu_1d if mesh_ndim == 1 else menu_2d
     key = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
     from reshard_svc.layout import _split_top_level
 
-    return _split_top_level(menu[variant % 2][key])
+    return _split_top_level(menu[variant][key])
 
 
 def build_state_dict(mesh_shape: tuple[int, ...], variant: int, fill: bool = True) -> dict:
@@ -125,7 +134,7 @@ def save_then_load(path: str, save_mesh, load_meshes) -> list:
     reshard_svc.save(sd, path)
     out = []
     for i, mesh in enumerate(load_meshes):
-        target = build_state_dict(tuple(mesh), i + 1, fill=False)
+        target = build_state_dict(tuple(mesh), (i + 1) % 2, fill=False)
         stats = reshard_svc.load(target, path, max_memory=1024)
         out.append(
             {
@@ -150,3 +159,38 @@ def load_only(path: str, mesh) -> dict:
         "bytes_read": stats.bytes_read,
         "bytes_total": stats.bytes_total,
     }
+
+
+def tensors_only(sd: dict) -> dict:
+    """The state dict without JSON extras (torch DCP wants tensors only here)."""
+    out = {k: v for k, v in sd.items() if k in ("model", "optim")}
+    return out
+
+
+def torch_reads_ours(path: str, save_mesh, load_mesh) -> list[str]:
+    """We save on ``save_mesh``; torch's HuggingFaceStorageReader loads into ``load_mesh``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    import reshard_svc
+
+    reshard_svc.save(build_state_dict(tuple(save_mesh), 0), path)
+    target = tensors_only(build_state_dict(tuple(load_mesh), 2, fill=False))
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(path))
+    return mismatches(target)
+
+
+def we_read_torch(path: str, save_mesh, load_mesh) -> list[str]:
+    """torch's HuggingFaceStorageWriter(save_distributed=True) saves; our load reads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    import reshard_svc
+
+    dcp.save(
+        tensors_only(build_state_dict(tuple(save_mesh), 2)),
+        storage_writer=HuggingFaceStorageWriter(path, save_distributed=True),
+    )
+    target = tensors_only(build_state_dict(tuple(load_mesh), 0, fill=False))
+    reshard_svc.load(target, path)
+    return mismatches(target)
