@@ -33,7 +33,6 @@ import torch
 
 from reshard_svc.boxes import check_tiling
 from reshard_svc.errors import (
-    CheckpointError,
     CorruptCheckpointError,
     InconsistentIndexError,
     LayoutError,
@@ -65,13 +64,14 @@ class Chunk:
     file: str
     begin: int
     end: int
+    #: ``raw`` (row-major bytes, native and safetensors) or ``torch_save`` (DCP .distcp item)
+    encoding: str = "raw"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            **self.box.to_json(),
-            "file": self.file,
-            "byte_range": [self.begin, self.end],
-        }
+        out = {**self.box.to_json(), "file": self.file, "byte_range": [self.begin, self.end]}
+        if self.encoding != "raw":
+            out["encoding"] = self.encoding
+        return out
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class CheckpointIndex:
                         f"{len(t.shape)}"
                     )
                 want = c.box.numel * t.itemsize
-                if c.end - c.begin != want:
+                if c.encoding == "raw" and c.end - c.begin != want:
                     raise InconsistentIndexError(
                         f"{where}: chunk {c.box.offsets}+{c.box.sizes} spans "
                         f"{c.end - c.begin} bytes of {c.file} but needs {want}"
@@ -274,11 +274,8 @@ def _tensor_from_json(name: str, t: Any, where: str) -> TensorMeta:
         br = _ints(c.get("byte_range"), f"{cw}.byte_range")
         if len(br) != 2 or br[0] > br[1]:
             raise CorruptCheckpointError(f"{cw}.byte_range must be [begin, end]")
-        chunks.append(Chunk(Box(offs, sizes), fname, br[0], br[1]))
+        encoding = c.get("encoding", "raw")
+        if encoding not in ("raw", "torch_save"):
+            raise CorruptCheckpointError(f"{cw}.encoding {encoding!r} is unknown")
+        chunks.append(Chunk(Box(offs, sizes), fname, br[0], br[1], encoding))
     return TensorMeta(name, dtype, shape, layout, tuple(chunks))
-
-
-def require(condition: bool, message: str) -> None:
-    """Raise CheckpointError(message) unless ``condition`` holds (never ``assert``)."""
-    if not condition:
-        raise CheckpointError(message)

@@ -46,6 +46,7 @@ class Read:
     end: int
     box: Box
     reader: int
+    encoding: str = "raw"
 
     @property
     def nbytes(self) -> int:
@@ -117,9 +118,11 @@ def plan_reads(
         for ci in sorted(by_chunk, key=lambda i: (chunks[i].file, chunks[i].begin)):
             chunk = chunks[ci]
             need = by_chunk[ci]
-            for band in _bands(chunk.box, need, isz, band_limit):
+            encoded = chunk.encoding != "raw"
+            # An encoded item (DCP torch.save) can only be read and decoded whole.
+            for band in [chunk.box] if encoded else _bands(chunk.box, need, isz, band_limit):
                 b_off = _byte_offset(chunk.box, band, isz)
-                nb = band.numel * isz
+                nb = chunk.end - chunk.begin if encoded else band.numel * isz
                 parts: list[tuple[Box, int]] = []
                 for pbox, t in need:
                     inter = pbox.intersect(band)

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from reshard_svc.read_plan import Part, ReadPlan
+from reshard_svc.errors import CorruptCheckpointError
+from reshard_svc.read_plan import Part, Read, ReadPlan
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.storage import FsspecStorage, LocalStorage
 
@@ -50,6 +51,20 @@ def read_bands(storage: FsspecStorage, ranges: list[tuple[str, int, int]]) -> li
             else torch.empty(0, dtype=torch.uint8)
             for v in storage.read_ranges(ranges)
         ]
+
+
+def _band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if read.encoding == "raw":
+        return buf.view(dtype).reshape(read.box.sizes)
+    from reshard_svc.dcp_pickle import decode_torch_save
+
+    t = decode_torch_save(buf.numpy().tobytes(), f"{read.file}@{read.begin}")
+    if tuple(t.shape) != read.box.sizes:
+        raise CorruptCheckpointError(
+            f"{read.file}@{read.begin}: item of {read.tensor!r} has shape {list(t.shape)}, "
+            f"the metadata says {list(read.box.sizes)}"
+        )
+    return t.to(dtype).contiguous()
 
 
 def execute(

@@ -63,7 +63,14 @@ class FsspecStorage:
     def path(self, name: str) -> str:
         return f"{self.root}/{name}" if self.root else name
 
+    def _fresh(self) -> None:
+        # Listing caches (s3fs) would hide files other processes wrote since.
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate(self.root)
+
     def exists(self, name: str) -> bool:
+        self._fresh()
         with translate_errors("stat", self.path(name)):
             return bool(self.fs.exists(self.path(name)))
 
@@ -72,6 +79,7 @@ class FsspecStorage:
             return int(self.fs.size(self.path(name)))
 
     def listdir(self) -> list[str]:
+        self._fresh()
         with translate_errors("list", self.root):
             try:
                 entries = self.fs.ls(self.root, detail=False)

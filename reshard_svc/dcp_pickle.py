@@ -1,0 +1,142 @@
+"""Read torch DCP ``.distcp`` folders without trusting their pickles.
+
+DCP's ``.metadata`` is a plain pickle; loading it with ``pickle.load`` runs whatever it
+names. We unpickle it with :class:`AllowListUnpickler`, which resolves only the handful of
+torch metadata classes, dtypes and path types a DCP save really contains, and raises
+:class:`~reshard_svc.errors.UnsafePickleError` naming anything else. Tensor items in the
+``.distcp`` files are ``torch.save`` archives, read with ``weights_only=True``.
+
+Operators can refuse DCP pickles entirely with ``RESHARD_ALLOW_DCP_PICKLE=0`` (the server
+does so by default).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from reshard_svc.errors import CorruptCheckpointError, UnsafePickleError
+from reshard_svc.index import CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.layout import Box
+from reshard_svc.storage import FsspecStorage
+
+__all__ = ["AllowListUnpickler", "decode_torch_save", "index_from_distcp", "safe_unpickle"]
+
+ENV_ALLOW = "RESHARD_ALLOW_DCP_PICKLE"
+TORCH_SAVE = "torch_save"
+_MD = "torch.distributed.checkpoint.metadata"
+ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_MD, "Metadata"),
+        (_MD, "TensorStorageMetadata"),
+        (_MD, "BytesStorageMetadata"),
+        (_MD, "ChunkStorageMetadata"),
+        (_MD, "TensorProperties"),
+        (_MD, "MetadataIndex"),
+        (_MD, "StorageMeta"),
+        (_MD, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
+class AllowListUnpickler(pickle.Unpickler):
+    """Resolves only allow-listed globals (plus torch dtypes); everything else raises."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafePickleError(
+            f"DCP metadata names {module}.{name}, which is not on the allow-list; refusing "
+            "to unpickle it"
+        )
+
+
+def safe_unpickle(raw: bytes) -> Any:
+    try:
+        return AllowListUnpickler(io.BytesIO(raw)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as e:  # malformed pickles raise many types
+        raise CorruptCheckpointError(f".metadata is not a readable DCP pickle: {e}") from e
+
+
+def decode_torch_save(raw: bytes | memoryview, where: str) -> torch.Tensor:
+    """One DCP tensor item (a ``torch.save`` archive), loaded with weights_only=True."""
+    try:
+        obj = torch.load(io.BytesIO(bytes(raw)), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where}: tensor item cannot be loaded: {e}") from e
+    if not isinstance(obj, torch.Tensor):
+        raise CorruptCheckpointError(f"{where}: item is a {type(obj).__name__}, not a tensor")
+    return obj
+
+
+def index_from_distcp(storage: FsspecStorage) -> CheckpointIndex:
+    """Describe a DCP ``.distcp`` folder from its ``.metadata`` (allow-listed unpickling)."""
+    if os.environ.get(ENV_ALLOW, "1") in ("0", "false", "no"):
+        raise UnsafePickleError(
+            f"{storage.uri} is a torch DCP .distcp checkpoint, whose metadata is a pickle; "
+            f"this process refuses pickles ({ENV_ALLOW}=0). Ask the operator to allow it."
+        )
+    md = safe_unpickle(storage.read(".metadata"))
+    sdm = getattr(md, "state_dict_metadata", None)
+    storage_data = getattr(md, "storage_data", None)
+    if not isinstance(sdm, dict) or not isinstance(storage_data, dict):
+        raise CorruptCheckpointError(f"{storage.uri}/.metadata is not DCP Metadata")
+    where_of: dict[tuple[str, tuple[int, ...]], Any] = {}
+    for mi, info in storage_data.items():
+        if getattr(mi, "offset", None) is not None:
+            where_of[(mi.fqn, tuple(mi.offset))] = info
+    tensors: dict[str, TensorMeta] = {}
+    files: set[str] = set()
+    for fqn, tmd in sdm.items():
+        if not hasattr(tmd, "chunks"):
+            continue  # BytesStorageMetadata: pickled objects, which we never load
+        chunks = []
+        for c in tmd.chunks:
+            info = where_of.get((fqn, tuple(c.offsets)))
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{fqn!r}: chunk {list(c.offsets)} has no storage entry"
+                )
+            if getattr(info, "transform_descriptors", None):
+                raise CorruptCheckpointError(
+                    f"{fqn!r}: stored with transforms {info.transform_descriptors}, unsupported"
+                )
+            name = str(info.relative_path)
+            files.add(name)
+            chunks.append(
+                Chunk(
+                    Box(tuple(c.offsets), tuple(c.sizes)),
+                    name,
+                    int(info.offset),
+                    int(info.offset) + int(info.length),
+                    TORCH_SAVE,
+                )
+            )
+        tensors[fqn] = TensorMeta(
+            fqn,
+            tmd.properties.dtype,
+            tuple(tmd.size),
+            None,
+            tuple(sorted(chunks, key=lambda c: c.box)),
+        )
+    index = CheckpointIndex(
+        tensors, {f: FileMeta(storage.size(f)) for f in sorted(files)}, source="dcp"
+    )
+    index.check()
+    return index

@@ -1,0 +1,109 @@
+"""One conformance suite over every backend: local folders, memory:// and S3 (moto)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reshard_svc
+from reshard_svc.errors import NotACheckpointError, StorageError
+from reshard_svc.storage import FsspecStorage, open_storage
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "big": torch.randn(256, 64, generator=g),
+            "small": torch.randn(3, generator=g).to(torch.bfloat16),
+            "flag": torch.tensor([True, False, True]),
+            "step": torch.tensor(seed, dtype=torch.int64),
+        },
+        "epoch": seed,
+    }
+
+
+def zeros_like(sd: dict) -> dict:
+    m = sd["model"]
+    return {"model": {k: torch.zeros_like(v) for k, v in m.items()}, "epoch": None}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["epoch"] == b["epoch"]
+
+
+def test_round_trip_inspect_verify(root):
+    uri = f"{root}/ck"
+    sd = state(1)
+    reshard_svc.save(sd, uri)
+    out = zeros_like(sd)
+    stats = reshard_svc.load(out, uri)
+    assert_same(sd, out)
+    assert stats.bytes_read == stats.bytes_total
+    info = reshard_svc.inspect(uri)
+    assert info.tensors["model.big"].shape == (256, 64)
+    assert info.extras == {"epoch": 1}
+    report = reshard_svc.verify(uri)
+    assert report.ok, report.problems
+    assert report.bytes_hashed == sum(f.size for f in info.files.values())
+
+
+def test_partial_load_reads_only_the_needed_ranges(root):
+    uri = f"{root}/ck"
+    sd = state(2)
+    reshard_svc.save(sd, uri)
+    out = {"model": {"small": torch.zeros(3, dtype=torch.bfloat16)}}
+    stats = reshard_svc.load(out, uri, strict=False)
+    assert torch.equal(out["model"]["small"], sd["model"]["small"])
+    assert stats.bytes_read == 6  # three bf16 values, not the whole file
+
+
+def _fail_commit(monkeypatch):
+    def boom(self, staging, index_name, index_bytes):
+        raise StorageError("injected failure before commit")
+
+    monkeypatch.setattr(type(open_storage("/tmp")), "commit", boom)
+    monkeypatch.setattr(FsspecStorage, "commit", boom)
+
+
+def test_failed_save_leaves_no_checkpoint(root, monkeypatch):
+    uri = f"{root}/ck"
+    _fail_commit(monkeypatch)
+    with pytest.raises(StorageError, match="injected"):
+        reshard_svc.save(state(3), uri)
+    with pytest.raises(NotACheckpointError):
+        reshard_svc.inspect(uri)
+    with pytest.raises(NotACheckpointError):
+        reshard_svc.load(zeros_like(state(3)), uri)
+    assert not reshard_svc.verify(uri).ok
+    storage = open_storage(uri)
+    assert [n for n in storage.listdir() if n.endswith(".safetensors")] == []
+
+
+def test_overwrite_keeps_old_checkpoint_until_new_one_commits(root, monkeypatch):
+    uri = f"{root}/ck"
+    old, new = state(4), state(5)
+    reshard_svc.save(old, uri)
+    with monkeypatch.context() as m:
+        _fail_commit(m)
+        with pytest.raises(StorageError):
+            reshard_svc.save(new, uri)
+    out = zeros_like(old)
+    reshard_svc.load(out, uri)
+    assert_same(old, out)
+    assert reshard_svc.verify(uri).ok
+    reshard_svc.save(new, uri)
+    out = zeros_like(new)
+    reshard_svc.load(out, uri)
+    assert_same(new, out)
+    info = reshard_svc.inspect(uri)
+    data_files = [n for n in open_storage(uri).listdir() if n.endswith(".safetensors")]
+    assert sorted(data_files) == sorted(info.files)  # the replaced files are gone
+    assert reshard_svc.verify(uri).ok
+
+
+def test_missing_folder_is_not_a_checkpoint(root):
+    with pytest.raises(NotACheckpointError):
+        reshard_svc.inspect(f"{root}/nothing-here")
