@@ -78,7 +78,7 @@ def verify(
     try:
         storage = open_storage(uri, storage_options)
         _, index = open_checkpoint(storage)
-    except CheckpointError as e:
+    except (CheckpointError, StorageError) as e:
         report.problems.append(f"{type(e).__name__}: {e}")
         return report
     report.tensors = len(index.tensors)

@@ -135,14 +135,9 @@ def plan_reads(
                 rot = zlib.crc32(f"{name}:{band.offsets}".encode()) % world
                 reader = max(recv, key=lambda r: (recv[r], -read_load[r], -((r - rot) % world)))
                 read_load[reader] += nb
+                start = chunk.begin + (0 if encoded else b_off)
                 read = Read(
-                    next_id,
-                    name,
-                    chunk.file,
-                    chunk.begin + b_off,
-                    chunk.begin + b_off + nb,
-                    band,
-                    reader,
+                    next_id, name, chunk.file, start, start + nb, band, reader, chunk.encoding
                 )
                 next_id += 1
                 out_parts = [

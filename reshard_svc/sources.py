@@ -16,7 +16,12 @@ import json
 import logging
 from typing import Any
 
-from reshard_svc.errors import CorruptCheckpointError, InconsistentIndexError, NotACheckpointError
+from reshard_svc.errors import (
+    CorruptCheckpointError,
+    InconsistentIndexError,
+    MissingFileError,
+    NotACheckpointError,
+)
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.layout import Box
 from reshard_svc.safetensors_io import ParsedHeader, parse_header
@@ -55,6 +60,7 @@ def open_checkpoint(
     if INDEX_NAME in names:
         index = CheckpointIndex.loads(storage.read(INDEX_NAME), f"{storage.uri}/{INDEX_NAME}")
         index.check()
+        _check_files_present(storage, index)
         return storage, index
     st_files = [n for n in names if n.endswith(".safetensors")]
     if st_files:
@@ -67,6 +73,19 @@ def open_checkpoint(
         f"{storage.uri}: no {INDEX_NAME}, safetensors files or DCP .metadata — not a "
         "checkpoint (or a save that never committed)"
     )
+
+
+def _check_files_present(storage: FsspecStorage, index: CheckpointIndex) -> None:
+    """Every data file the index lists exists with the size it records (one listing)."""
+    sizes = storage.sizes()
+    for name, meta in sorted(index.files.items()):
+        if name not in sizes:
+            raise MissingFileError(f"{storage.uri}: data file {name} is missing")
+        if sizes[name] != meta.size:
+            raise CorruptCheckpointError(
+                f"{storage.uri}: {name} is {sizes[name]} bytes but the index records "
+                f"{meta.size}: truncated or overwritten"
+            )
 
 
 def _from_safetensors(storage: FsspecStorage, files: list[str]) -> CheckpointIndex:

@@ -91,7 +91,7 @@ def execute(
             lambda mine=mine: read_bands(storage, [(r.file, r.begin, r.end) for r in mine]),
         )
         bytes_read += sum(r.nbytes for r in mine)
-        bands = {r.id: b.view(dtypes[r.tensor]).reshape(r.box.sizes) for r, b in zip(mine, bufs)}
+        bands = {r.id: _band_view(r, b, dtypes[r.tensor]) for r, b in zip(mine, bufs)}
         del bufs
 
         def piece(p: Part, readers: dict = readers, bands: dict = bands) -> torch.Tensor:

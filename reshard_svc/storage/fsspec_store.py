@@ -15,7 +15,12 @@ from typing import IO, Any
 
 import fsspec
 
-from reshard_svc.errors import MissingFileError, ReshardError, StorageError
+from reshard_svc.errors import (
+    CorruptCheckpointError,
+    MissingFileError,
+    ReshardError,
+    StorageError,
+)
 
 __all__ = ["FsspecStorage", "translate_errors"]
 
@@ -87,6 +92,20 @@ class FsspecStorage:
                 return []
         return sorted(os.path.basename(str(e).rstrip("/")) for e in entries)
 
+    def sizes(self) -> dict[str, int]:
+        """File name -> size for every file in the folder, in one listing."""
+        self._fresh()
+        with translate_errors("list", self.root):
+            try:
+                entries = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return {}
+        return {
+            os.path.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") != "directory"
+        }
+
     def read(self, name: str) -> bytes:
         with translate_errors("read", self.path(name)):
             return bytes(self.fs.cat_file(self.path(name)))
@@ -102,8 +121,8 @@ class FsspecStorage:
         views = [memoryview(b) for b in out]
         for (name, s, e), v in zip(ranges, views):
             if v.nbytes != e - s:
-                raise StorageError(
-                    f"read {self.path(name)} [{s}, {e}) returned {v.nbytes} bytes: file truncated?"
+                raise CorruptCheckpointError(
+                    f"{self.path(name)} is truncated: reading [{s}, {e}) returned {v.nbytes} bytes"
                 )
         return views
 

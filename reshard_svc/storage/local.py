@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Sequence
 from typing import IO, Any
 
-from reshard_svc.errors import CheckpointError, StorageError
+from reshard_svc.errors import CheckpointError, CorruptCheckpointError
 from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
 
 __all__ = ["LocalStorage"]
@@ -45,9 +45,9 @@ class LocalStorage(FsspecStorage):
                 while pos < n:
                     got = os.preadv(fd, [out[pos:]], start + pos)
                     if got == 0:
-                        raise StorageError(
-                            f"read {path} [{start}, {start + n}) hit end of file after "
-                            f"{pos} bytes: file truncated?"
+                        raise CorruptCheckpointError(
+                            f"{path} is truncated: reading [{start}, {start + n}) hit the "
+                            f"end of the file after {pos} bytes"
                         )
                     pos += got
             finally:

@@ -1,0 +1,285 @@
+"""Every malformed checkpoint gets a typed error naming what to fix — never a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+
+import reshard_svc
+from reshard_svc.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    InconsistentIndexError,
+    MissingFileError,
+    StateDictError,
+    UnsafePickleError,
+    UnsupportedFormatError,
+)
+from reshard_svc.index import INDEX_NAME
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = str(tmp_path / "ck")
+    sd = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
+    reshard_svc.save(sd, path)
+    return path
+
+
+def data_file(path: str) -> str:
+    (name,) = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    return os.path.join(path, name)
+
+
+def edit_index(path: str, fn) -> None:
+    p = os.path.join(path, INDEX_NAME)
+    data = json.loads(open(p).read())
+    fn(data)
+    open(p, "w").write(json.dumps(data))
+
+
+def load_into(path: str):
+    out = {"a": torch.zeros(3, 4), "b": torch.zeros(5)}
+    reshard_svc.load(out, path)
+    return out
+
+
+def problems(path: str) -> str:
+    report = reshard_svc.verify(path)
+    assert not report.ok
+    return " | ".join(report.problems)
+
+
+def test_truncated_data_file(ckpt):
+    f = data_file(ckpt)
+    size = os.path.getsize(f)
+    os.truncate(f, size - 10)
+    assert "truncated" in problems(ckpt)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        load_into(ckpt)
+
+
+def test_truncated_foreign_file_is_caught_from_its_header(tmp_path):
+    from safetensors.torch import save_file
+
+    p = tmp_path / "hf"
+    p.mkdir()
+    save_file({"w": torch.ones(100)}, str(p / "model.safetensors"))
+    os.truncate(p / "model.safetensors", os.path.getsize(p / "model.safetensors") - 4)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        reshard_svc.inspect(str(p))
+
+
+def st_header(header: dict) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+F32x2 = {"dtype": "F32", "shape": [2]}
+
+
+@pytest.mark.parametrize(
+    ("header", "words"),
+    [
+        (struct.pack("<Q", 10**6), "runs past the end"),
+        (struct.pack("<Q", 10**12), "exceeds"),
+        (struct.pack("<Q", 5) + b"{nope", "not valid JSON"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+        (st_header({"w": {**F32x2, "data_offsets": [0, 4]}}), "needs 8"),
+        (
+            st_header(
+                {"w": {**F32x2, "data_offsets": [0, 8]}, "v": {**F32x2, "data_offsets": [4, 12]}}
+            ),
+            "overlap",
+        ),
+        (st_header({"w": {**F32x2, "data_offsets": [8, 16]}}), "truncated"),
+        (st_header({"w": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}), "unknown dtype"),
+        (st_header({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}), "bad shape"),
+        (st_header({"w": {**F32x2, "data_offsets": [8, 0]}}), "bad data_offsets"),
+    ],
+)
+def test_malformed_safetensors_headers(tmp_path, header, words):
+    p = tmp_path / "hf"
+    p.mkdir()
+    (p / "model.safetensors").write_bytes(header + b"\0" * 12)
+    with pytest.raises(CorruptCheckpointError, match=words):
+        reshard_svc.inspect(str(p))
+    assert words.split()[0] in problems(str(p))
+
+
+def test_data_offsets_outside_the_file(ckpt):
+    edit_index(
+        ckpt, lambda d: d["tensors"]["a"]["chunks"][0].update(byte_range=[10**6, 10**6 + 48])
+    )
+    with pytest.raises(InconsistentIndexError, match="outside"):
+        load_into(ckpt)
+
+
+def test_overlapping_byte_ranges(ckpt):
+    def fn(d):
+        d["tensors"]["b"]["chunks"][0]["byte_range"] = list(
+            d["tensors"]["a"]["chunks"][0]["byte_range"][:1]
+        )
+        d["tensors"]["b"]["chunks"][0]["byte_range"].append(
+            d["tensors"]["b"]["chunks"][0]["byte_range"][0] + 20
+        )
+
+    edit_index(ckpt, fn)
+    with pytest.raises(InconsistentIndexError, match="overlap"):
+        reshard_svc.inspect(ckpt)
+
+
+def test_index_chunks_that_overlap_or_leave_gaps(ckpt):
+    def overlap(d):
+        c = dict(d["tensors"]["a"]["chunks"][0])
+        c["offsets"], c["sizes"] = [0, 0], [2, 4]
+        c2 = dict(c)
+        c2["offsets"], c2["sizes"] = [1, 0], [2, 4]
+        c2["byte_range"] = [c["byte_range"][0] + 8, c["byte_range"][0] + 40]
+        c["byte_range"] = [c["byte_range"][0], c["byte_range"][0] + 32]
+        d["tensors"]["a"]["chunks"] = [c, c2]
+
+    edit_index(ckpt, overlap)
+    with pytest.raises(InconsistentIndexError, match="overlap"):
+        load_into(ckpt)
+
+
+def test_index_chunks_that_fail_to_cover(ckpt):
+    def gap(d):
+        c = d["tensors"]["a"]["chunks"][0]
+        c["sizes"] = [2, 4]
+        c["byte_range"] = [c["byte_range"][0], c["byte_range"][0] + 32]
+
+    edit_index(ckpt, gap)
+    with pytest.raises(InconsistentIndexError, match="cover 8 of 12"):
+        reshard_svc.inspect(ckpt)
+
+
+def test_dtype_mismatch_between_shards(tmp_path):
+    from safetensors.torch import save_file
+
+    p = tmp_path / "dcp"
+    p.mkdir()
+    for i, dt in enumerate([torch.float32, torch.float16]):
+        save_file(
+            {"w": torch.ones(2, 4, dtype=dt)},
+            str(p / f"shard-{i}.safetensors"),
+            metadata={"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [2 * i, 0]}})},
+        )
+    with pytest.raises(InconsistentIndexError, match="disagree on dtype"):
+        reshard_svc.inspect(str(p))
+
+
+def test_shape_mismatch_between_index_and_header(ckpt):
+    edit_index(ckpt, lambda d: d["tensors"]["b"].update(dtype="int32"))
+    assert "disagrees with the index" in problems(ckpt)
+
+
+def test_shape_mismatch_with_state_dict(ckpt):
+    with pytest.raises(StateDictError, match="shape"):
+        reshard_svc.load({"a": torch.zeros(4, 3), "b": torch.zeros(5)}, ckpt)
+
+
+def test_missing_data_file(ckpt):
+    os.remove(data_file(ckpt))
+    assert "missing" in problems(ckpt)
+    with pytest.raises(MissingFileError):
+        load_into(ckpt)
+
+
+def test_sha256_mismatch(ckpt):
+    f = data_file(ckpt)
+    raw = bytearray(open(f, "rb").read())
+    raw[-1] ^= 0xFF
+    open(f, "wb").write(raw)
+    assert "sha256 mismatch" in problems(ckpt)
+
+
+def test_unknown_format_version(ckpt):
+    edit_index(ckpt, lambda d: d.update(format_version=99))
+    with pytest.raises(UnsupportedFormatError, match="format_version 99"):
+        reshard_svc.inspect(ckpt)
+
+
+def test_index_not_json(ckpt):
+    open(os.path.join(ckpt, INDEX_NAME), "w").write("{")
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        reshard_svc.inspect(ckpt)
+
+
+def test_index_file_name_escaping_the_folder(ckpt):
+    edit_index(ckpt, lambda d: d["tensors"]["a"]["chunks"][0].update(file="../../etc/passwd"))
+    with pytest.raises(CorruptCheckpointError, match="not a plain file name"):
+        reshard_svc.inspect(ckpt)
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_dcp_pickle_outside_allow_list_raises(tmp_path):
+    p = tmp_path / "dcp"
+    p.mkdir()
+    (p / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(UnsafePickleError, match=r"(posix|os)\.system"):
+        reshard_svc.inspect(str(p))
+
+
+def test_dcp_pickle_refused_when_operator_disallows(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    monkeypatch.setenv("RESHARD_ALLOW_DCP_PICKLE", "0")
+    with pytest.raises(UnsafePickleError, match="refuses pickles"):
+        reshard_svc.inspect(str(tmp_path / "dcp"))
+
+
+def test_dcp_distcp_folder_loads_through_the_allow_list(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"w": torch.randn(6, 4), "s": torch.tensor(3, dtype=torch.int64), "cfg": {"x": 1}}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    info = reshard_svc.inspect(str(tmp_path / "dcp"))
+    assert info.source == "dcp" and set(info.tensors) == {"w", "s"}
+    out = {"w": torch.zeros(6, 4), "s": torch.tensor(0, dtype=torch.int64)}
+    reshard_svc.load(out, str(tmp_path / "dcp"))
+    assert torch.equal(out["w"], sd["w"]) and out["s"].item() == 3
+    assert reshard_svc.verify(str(tmp_path / "dcp")).ok
+
+
+@pytest.mark.parametrize(
+    ("sd", "words"),
+    [
+        ({"x": object()}, "'x' is a object"),
+        ({"opt": {"lst": [torch.ones(1)]}}, "'opt.lst' nests tensors"),
+        ({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, "same name 'a.b'"),
+    ],
+)
+def test_unsupported_state_dict_values_name_the_key(tmp_path, sd, words):
+    with pytest.raises(StateDictError, match=words):
+        reshard_svc.save(sd, str(tmp_path / "ck"))
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_missing_and_unexpected_keys(ckpt):
+    with pytest.raises(StateDictError, match="missing from the checkpoint: 'c'"):
+        reshard_svc.load({"a": torch.zeros(3, 4), "b": torch.zeros(5), "c": torch.zeros(1)}, ckpt)
+    with pytest.raises(StateDictError, match="in the checkpoint but not in state_dict: 'b'"):
+        reshard_svc.load({"a": torch.zeros(3, 4)}, ckpt)
+    out = {"a": torch.zeros(3, 4), "c": torch.zeros(1)}
+    reshard_svc.load(out, ckpt, strict=False)
+    assert out["a"].sum().item() == 66
+
+
+def test_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="refusing to replace"):
+        reshard_svc.save({"a": torch.ones(1)}, str(tmp_path / "precious"))
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
