@@ -46,3 +46,9 @@ def test_save_2d_mesh_load_on_two_ranks(tmp_path):
     assert all(r[0]["bad"] == [] for r in res.values())
     res2 = run(workloads.load_only, 2, path, [2])
     assert all(r["bad"] == [] for r in res2.values())
+
+
+def test_legacy_sharded_tensor_round_trip(tmp_path):
+    res = run(workloads.sharded_tensor_round_trip, 2, str(tmp_path / "st"))
+    assert all(r == {"dtensor_ok": True, "sharded_ok": True} for r in res.values()), res
+    assert reshard_svc.verify(str(tmp_path / "st")).ok

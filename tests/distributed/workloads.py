@@ -194,3 +194,43 @@ def we_read_torch(path: str, save_mesh, load_mesh) -> list[str]:
     target = tensors_only(build_state_dict(tuple(load_mesh), 0, fill=False))
     reshard_svc.load(target, path)
     return mismatches(target)
+
+
+def sharded_tensor_round_trip(path: str) -> dict:
+    """Save a legacy ShardedTensor (ChunkShardingSpec, as FSDP1/torchrec make them); load it
+    back into a DTensor with another layout and into another ShardedTensor."""
+    import torch.distributed as dist
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import reshard_svc
+
+    world = dist.get_world_size()
+    g = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st = sharded_tensor.empty(spec, 7, 5)
+    for shard in st.local_shards():
+        o, s = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(g[o[0] : o[0] + s[0], o[1] : o[1] + s[1]])
+    reshard_svc.save({"emb": st}, path)
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(torch.zeros(7, 5), mesh, [Shard(1)])
+    reshard_svc.load({"emb": dt}, path)
+    spec1 = ChunkShardingSpec(dim=1, placements=[f"rank:{r}/cpu" for r in range(world)])
+    st2 = sharded_tensor.zeros(spec1, 7, 5)
+    reshard_svc.load({"emb": st2}, path)
+    ok2 = all(
+        torch.equal(
+            sh.tensor,
+            g[
+                sh.metadata.shard_offsets[0] : sh.metadata.shard_offsets[0]
+                + sh.metadata.shard_sizes[0],
+                sh.metadata.shard_offsets[1] : sh.metadata.shard_offsets[1]
+                + sh.metadata.shard_sizes[1],
+            ],
+        )
+        for sh in st2.local_shards()
+    )
+    return {"dtensor_ok": bool(torch.equal(dt.full_tensor(), g)), "sharded_ok": ok2}

@@ -1,0 +1,65 @@
+"""The local CLI commands, run as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import reshard_svc
+
+
+def reshard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "reshard_client.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def make(tmp_path) -> str:
+    path = str(tmp_path / "ck")
+    reshard_svc.save(
+        {"w": torch.randn(8, 4), "b": torch.ones(3, dtype=torch.bfloat16), "step": 9}, path
+    )
+    return path
+
+
+def test_inspect_json_describes_tensors(tmp_path):
+    path = make(tmp_path)
+    r = reshard("inspect", path, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["tensors"]["w"]["shape"] == [8, 4]
+    assert info["tensors"]["b"]["dtype"] == "bfloat16"
+    assert info["total_bytes"] == 8 * 4 * 4 + 3 * 2
+    assert info["extras"] == {"step": 9}
+
+
+def test_inspect_table(tmp_path):
+    r = reshard("inspect", make(tmp_path))
+    assert r.returncode == 0 and "bfloat16" in r.stdout and "2 tensors" in r.stdout
+
+
+def test_verify_exit_codes(tmp_path):
+    path = make(tmp_path)
+    assert reshard("verify", path).returncode == 0
+    data = [n for n in os.listdir(path) if n.endswith(".safetensors")][0]
+    with open(os.path.join(path, data), "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    r = reshard("verify", path, "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert not report["ok"] and "sha256" in report["problems"][0]
+
+
+def test_not_a_checkpoint_is_exit_2(tmp_path):
+    r = reshard("inspect", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "NotACheckpointError" in r.stderr

@@ -1,0 +1,54 @@
+"""A process killed with SIGKILL mid-save leaves nothing that passes for a checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import reshard_svc
+from reshard_svc.errors import NotACheckpointError
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    import reshard_svc
+    from reshard_svc.storage import FsspecStorage, LocalStorage
+
+    def die(self, *args, **kwargs):  # every data file is written; the commit never happens
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    LocalStorage.commit = die
+    FsspecStorage.commit = die
+    reshard_svc.save({"w": torch.full((64, 64), float(sys.argv[2]))}, sys.argv[1])
+    """
+)
+
+
+def run_child(uri: str, value: float) -> int:
+    return subprocess.run([sys.executable, "-c", CHILD, uri, str(value)], timeout=120).returncode
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_sigkill_before_commit(tmp_path, request, backend):
+    root = str(tmp_path) if backend == "local" else request.getfixturevalue("s3")
+    uri = f"{root}/ck"
+    assert run_child(uri, 1.0) == -9
+    with pytest.raises(NotACheckpointError):
+        reshard_svc.inspect(uri)
+    assert not reshard_svc.verify(uri).ok
+
+    # With a committed checkpoint in place, a killed overwrite leaves the old one intact.
+    reshard_svc.save({"w": torch.full((64, 64), 2.0)}, uri)
+    assert run_child(uri, 3.0) == -9
+    out = {"w": torch.zeros(64, 64)}
+    reshard_svc.load(out, uri)
+    assert torch.equal(out["w"], torch.full((64, 64), 2.0))
+    assert reshard_svc.verify(uri).ok
+    # And the next save succeeds.
+    reshard_svc.save({"w": torch.full((64, 64), 4.0)}, uri)
+    reshard_svc.load(out, uri)
+    assert out["w"][0, 0].item() == 4.0
