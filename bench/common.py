@@ -1,0 +1,165 @@
+"""Shared pieces of the benchmarks: the Llama-shaped model, torchrun launching, stats.
+
+Each measured operation runs in fresh torchrun processes (so peak RSS is per operation);
+workers time the operation between barriers and append one JSON line to a results file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+SIZES = {
+    # The BASELINES.md model: 2.17 GB bf16.
+    "full": {"layers": 24, "hidden": 2048, "ffn": 5632, "vocab": 32000},
+    # A quick smoke run of the same shape family.
+    "small": {"layers": 2, "hidden": 256, "ffn": 704, "vocab": 4000},
+}
+
+
+def llama(size: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, kind); kind is col (TP Shard(0)), row (TP Shard(1)) or norm."""
+    c = SIZES[size]
+    h, f, v = c["hidden"], c["ffn"], c["vocab"]
+    out: dict[str, tuple[tuple[int, ...], str]] = {"tok_embeddings.weight": ((v, h), "col")}
+    for i in range(c["layers"]):
+        p = f"layers.{i}."
+        for n in ("wq", "wk", "wv"):
+            out[p + f"attention.{n}.weight"] = ((h, h), "col")
+        out[p + "attention.wo.weight"] = ((h, h), "row")
+        out[p + "feed_forward.w1.weight"] = ((f, h), "col")
+        out[p + "feed_forward.w3.weight"] = ((f, h), "col")
+        out[p + "feed_forward.w2.weight"] = ((h, f), "row")
+        out[p + "attention_norm.weight"] = ((h,), "norm")
+        out[p + "ffn_norm.weight"] = ((h,), "norm")
+    out["norm.weight"] = ((h,), "norm")
+    out["output.weight"] = ((v, h), "col")
+    return out
+
+
+def model_bytes(size: str, itemsize: int = 2) -> int:
+    import math
+
+    return sum(math.prod(s) for s, _ in llama(size).values()) * itemsize
+
+
+def placements(kind: str, target: str) -> list[str]:
+    """Placements for a 1-D mesh: tp (TP layout), shard0 (all Shard(0)), rep (Replicate)."""
+    if target == "rep" or kind == "norm":
+        return ["R"]
+    if target == "shard0":
+        return ["S(0)"]
+    return ["S(0)"] if kind == "col" else ["S(1)"]
+
+
+def build(size: str, target: str, fill: bool) -> dict[str, Any]:
+    """This rank's DTensors of the model on a 1-D mesh over the whole world (no full copy)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from reshard_svc import _compat
+    from reshard_svc.layout import Layout, Mesh, parse_placements
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    sd: dict[str, Any] = {}
+    for name, (shape, kind) in llama(size).items():
+        pls = parse_placements(placements(kind, target))
+        layout = Layout(Mesh((world,)), pls)
+        local_shape = layout.local_shape(shape, rank)
+        if fill:
+            g = torch.Generator().manual_seed(hash((name, rank)) % 2**31)
+            local = torch.randn(local_shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        else:
+            local = torch.zeros(local_shape, dtype=torch.bfloat16)
+        sd[name] = DTensor.from_local(
+            local,
+            mesh,
+            _compat.to_torch_placements(pls),
+            run_check=False,
+            shape=shape,
+            stride=_contiguous_stride(shape),
+        )
+    return sd
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def rchar() -> int:
+    """Bytes this process read through read()/pread() so far (page-cache hits included)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(op: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``op`` between barriers on every rank; wall time, bytes read, peak RSS."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    r0, t0 = rchar(), time.perf_counter()
+    op()
+    dist.barrier()
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "bytes_read": rchar() - r0, "peak_rss_mb": peak_rss_mb()}
+
+
+def launch(nproc: int, script: str, args: list[str], results: str) -> list[dict[str, Any]]:
+    """torchrun ``script --worker`` on ``nproc`` ranks; returns the per-rank JSON lines."""
+    if os.path.exists(results):
+        os.remove(results)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        script,
+        "--worker",
+        "--results",
+        results,
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    with open(results) as f:
+        return [json.loads(line) for line in f]
+
+
+def append_result(path: str, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def summarize(runs: list[list[dict[str, Any]]], model: int) -> dict[str, Any]:
+    """Medians over runs of: max wall over ranks, max peak RSS over ranks, bytes read sum."""
+    walls = [max(r["wall_s"] for r in run) for run in runs]
+    rss = [max(r["peak_rss_mb"] for r in run) for run in runs]
+    reads = [sum(r["bytes_read"] for r in run) for run in runs]
+    return {
+        "wall_s": round(statistics.median(walls), 3),
+        "wall_s_all": [round(w, 3) for w in walls],
+        "peak_rss_mb_per_rank": round(statistics.median(rss)),
+        "bytes_read_rel": round(statistics.median(reads) / model, 2),
+    }

@@ -1,0 +1,104 @@
+"""Save and load a Llama-shaped bf16 state dict (~2.17 GB) with reshard_svc and torch DCP.
+
+Same run, interleaved: save at TP=4 on 4 gloo ranks (ours; DCP FileSystemWriter), then
+load each checkpoint into TP=2 and into Replicate on 2 ranks. For each: median wall time
+(max over ranks, between barriers), peak RSS per rank, and bytes read from storage
+relative to the checkpoint (``rchar`` of the loading processes).
+
+    python bench/save_load.py [--size full|small] [--runs 3] [--dir /dev/shm/reshard-bench]
+
+Prints one JSON object per operation, then a summary object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import reshard_svc
+
+    dist.init_process_group("gloo")
+    system, op = args.system, args.op
+    path = os.path.join(args.dir, system)
+    if op == "save":
+        sd = common.build(args.size, "tp", fill=True)
+        if system == "ours":
+            res = common.timed(lambda: reshard_svc.save(sd, path))
+        else:
+            res = common.timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)))
+    else:
+        sd = common.build(args.size, op, fill=False)
+        if system == "ours":
+            res = common.timed(lambda: reshard_svc.load(sd, path))
+        else:
+            res = common.timed(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)))
+    res["rank"] = dist.get_rank()
+    common.append_result(args.results, res)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(common.SIZES), default="full")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", default="/dev/shm/reshard-bench")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--results", help=argparse.SUPPRESS)
+    ap.add_argument("--system", choices=["ours", "dcp"], help=argparse.SUPPRESS)
+    ap.add_argument("--op", choices=["save", "tp", "rep"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    os.makedirs(args.dir, exist_ok=True)
+    results = os.path.join(args.dir, "results.jsonl")
+    model = common.model_bytes(args.size)
+    ops = [("save", 4), ("tp", 2), ("rep", 2)]
+    runs: dict[tuple[str, str], list] = {}
+    try:
+        for _ in range(args.runs):
+            for system in ("ours", "dcp"):
+                shutil.rmtree(os.path.join(args.dir, system), ignore_errors=True)
+            for op, n in ops:
+                for system in ("ours", "dcp"):  # interleaved, same conditions
+                    per_rank = common.launch(
+                        n,
+                        __file__,
+                        ["--size", args.size, "--dir", args.dir, "--system", system, "--op", op],
+                        results,
+                    )
+                    runs.setdefault((system, op), []).append(per_rank)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    names = {
+        "save": "save TP=4 (4 ranks)",
+        "tp": "load -> TP=2 (2 ranks)",
+        "rep": "load -> Replicate (2 ranks)",
+    }
+    summary = {"bench": "save_load", "size": args.size, "model_bytes": model, "runs": args.runs}
+    for op, _ in ops:
+        ours = common.summarize(runs[("ours", op)], model)
+        dcp = common.summarize(runs[("dcp", op)], model)
+        for system, s in (("ours", ours), ("dcp", dcp)):
+            print(json.dumps({"bench": "save_load", "op": names[op], "system": system, **s}))
+        summary[f"{op}_wall_ratio_ours_over_dcp"] = round(ours["wall_s"] / dcp["wall_s"], 2)
+        summary[f"{op}_rss_ratio_ours_over_dcp"] = round(
+            ours["peak_rss_mb_per_rank"] / dcp["peak_rss_mb_per_rank"], 2
+        )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
