@@ -23,6 +23,7 @@ from reshard_svc.errors import (  # noqa: E402
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.inspection import VerifyReport, inspect, verify
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
+from reshard_svc.runtime.convert import ConvertResult, convert
 from reshard_svc.runtime.load import LoadStats, load
 from reshard_svc.runtime.save import save
 
@@ -30,6 +31,7 @@ __all__ = [
     "Box",
     "CheckpointError",
     "CheckpointIndex",
+    "ConvertResult",
     "CorruptCheckpointError",
     "DistributedError",
     "InconsistentIndexError",
@@ -50,6 +52,7 @@ __all__ = [
     "VerifyReport",
     "WriteItem",
     "__version__",
+    "convert",
     "inspect",
     "load",
     "save",

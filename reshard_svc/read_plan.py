@@ -2,15 +2,18 @@
 
 Pure: every rank computes the same plan from the source index and the wanted target boxes.
 
-* **Pieces.** Target boxes are intersected with stored chunks by the interval sweep.
-* **Reads.** The needed rows of each stored chunk are cut into row bands — contiguous
-  byte ranges of its file, at most a quarter of the budget each — and every band is read
-  by exactly one rank: the holder that receives most of it, else the least-loaded one.
-  So each needed byte is read once per job, in large contiguous reads.
-* **Parts.** A band's intersection with a target box goes to every holder of that box;
+* **Row grid.** Each tensor is cut along dim 0 into global row bands of at most a quarter
+  of the budget (full-width bytes). Stored chunks and target boxes are cut on the same
+  grid, so everything one band of rows needs is read, moved and written together.
+* **Reads.** A stored chunk's rows in one band are one contiguous byte range of its file.
+  With ``exchange`` it is read by exactly one rank — the holder that receives most of it,
+  else the least-loaded one — so each needed byte is read once per job. With ``direct``
+  every destination reads the rows it needs itself and nothing is exchanged.
+* **Parts.** A read's intersection with a target box goes to every holder of that box;
   the reader keeps its own and sends the rest.
-* **Waves.** Bands are grouped so that each rank's in-flight bytes (read buffers + send
-  buffer + receive buffer) stay under the budget; each wave is one ``all_to_all``.
+* **Waves.** Whole row bands are grouped so that each rank's in-flight bytes (read
+  buffers, send and receive buffers, target buffers) stay under the budget; each wave is
+  one ``all_to_all``, and every target band is complete at the end of its wave.
 """
 
 from __future__ import annotations
@@ -25,7 +28,17 @@ from reshard_svc.errors import StateDictError
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.layout import Box
 
-__all__ = ["Part", "Read", "ReadPlan", "TargetBox", "Wave", "plan_reads"]
+__all__ = [
+    "Part",
+    "Read",
+    "ReadPlan",
+    "TargetBox",
+    "Wave",
+    "band_limit",
+    "plan_reads",
+    "row_step",
+    "split_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,7 @@ class TargetBox:
 
 @dataclass(frozen=True)
 class Read:
-    """One ranged read: a row band of a stored chunk, ``[begin, end)`` of ``file``."""
+    """One ranged read: rows of a stored chunk, ``[begin, end)`` of ``file``."""
 
     id: int
     tensor: str
@@ -68,6 +81,8 @@ class Part:
 class Wave:
     reads: list[Read] = field(default_factory=list)
     parts: list[Part] = field(default_factory=list)
+    #: tensors whose last row band is in this wave (for progress)
+    tensors_done: int = 0
 
 
 @dataclass
@@ -75,6 +90,11 @@ class ReadPlan:
     targets: list[TargetBox]
     waves: list[Wave]
     world: int
+    strategy: str
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(p.nbytes for w in self.waves for p in w.parts)
 
     def bytes_read(self) -> list[int]:
         out = [0] * self.world
@@ -83,9 +103,34 @@ class ReadPlan:
                 out[r.reader] += r.nbytes
         return out
 
+    def reads_count(self) -> int:
+        return sum(len(w.reads) for w in self.waves)
+
     def bytes_exchanged(self) -> int:
         reads = {r.id: r for w in self.waves for r in w.reads}
         return sum(p.nbytes for w in self.waves for p in w.parts if reads[p.read].reader != p.dest)
+
+
+def band_limit(budget: int) -> int:
+    """Bytes of one global row band for a per-rank budget (read + send + recv + target)."""
+    return max(1, budget // 4)
+
+
+def row_step(shape: Sequence[int], itemsize: int, limit: int) -> int:
+    """Rows per global band: as many full-width rows as fit in ``limit`` bytes (>= 1)."""
+    if not shape:
+        return 1
+    row = max(1, math.prod(shape[1:]) * itemsize)
+    return max(1, limit // row)
+
+
+def split_rows(box: Box, step: int) -> list[Box]:
+    """``box`` cut on the global row grid of ``step`` rows (0-dim boxes stay whole)."""
+    if box.ndim == 0 or box.is_empty:
+        return [box]
+    lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
+    cuts = [lo, *range((lo // step + 1) * step, hi, step), hi]
+    return [Box((a, *box.offsets[1:]), (b - a, *box.sizes[1:])) for a, b in zip(cuts, cuts[1:])]
 
 
 def plan_reads(
@@ -93,75 +138,117 @@ def plan_reads(
     wanted: Mapping[str, Sequence[tuple[Box, tuple[int, ...]]]],
     world: int,
     budget: int,
+    *,
+    strategy: str = "exchange",
 ) -> ReadPlan:
-    """Plan reading ``wanted`` (tensor -> distinct target boxes with holder ranks)."""
+    """Plan reading ``wanted`` (tensor -> distinct target boxes with holder ranks).
+
+    Target boxes stay whole; ``convert`` passes boxes already cut with :func:`split_rows`
+    on the same grid (:func:`row_step` of ``budget // 4``) so each is written when its
+    wave ends.
+    """
     if budget < 1:
-        raise StateDictError(f"memory budget must be positive, got {budget}")
+        raise StateDictError(f"memory budget must be positive, got {budget} bytes")
+    if strategy not in ("exchange", "direct"):
+        raise StateDictError(f"strategy must be 'exchange' or 'direct', got {strategy!r}")
     targets: list[TargetBox] = []
-    bands: list[tuple[Read, list[Part]]] = []
+    groups: list[list[tuple[Read, list[Part]]]] = []
+    group_tensor: list[str] = []
     read_load = [0] * world
-    band_limit = max(1, budget // 4)
+    limit = band_limit(budget)
     next_id = 0
     for name in sorted(wanted):
         meta = index.tensors[name]
+        isz = meta.itemsize
+        step = row_step(meta.shape, isz, limit)
         first = len(targets)
         for box, holders in wanted[name]:
             if not box.is_empty:
                 targets.append(TargetBox(name, box, tuple(holders)))
         tboxes = [t.box for t in targets[first:]]
         chunks = list(meta.chunks)
-        pieces = overlaps([c.box for c in chunks], tboxes)
-        by_chunk: dict[int, list[tuple[Box, int]]] = {}
-        for o in pieces:
-            by_chunk.setdefault(o.src, []).append((o.box, first + o.dst))
-        isz = meta.itemsize
-        for ci in sorted(by_chunk, key=lambda i: (chunks[i].file, chunks[i].begin)):
-            chunk = chunks[ci]
-            need = by_chunk[ci]
-            encoded = chunk.encoding != "raw"
-            # An encoded item (DCP torch.save) can only be read and decoded whole.
-            for band in [chunk.box] if encoded else _bands(chunk.box, need, isz, band_limit):
-                b_off = _byte_offset(chunk.box, band, isz)
-                nb = chunk.end - chunk.begin if encoded else band.numel * isz
-                parts: list[tuple[Box, int]] = []
-                for pbox, t in need:
-                    inter = pbox.intersect(band)
-                    if inter is not None:
-                        parts.append((inter, t))
-                recv: dict[int, int] = {}
-                for inter, t in parts:
-                    for h in targets[t].holders:
-                        recv[h] = recv.get(h, 0) + inter.numel * isz
-                rot = zlib.crc32(f"{name}:{band.offsets}".encode()) % world
-                reader = max(recv, key=lambda r: (recv[r], -read_load[r], -((r - rot) % world)))
-                read_load[reader] += nb
-                start = chunk.begin + (0 if encoded else b_off)
-                read = Read(
-                    next_id, name, chunk.file, start, start + nb, band, reader, chunk.encoding
+        by_band: dict[int, list[tuple[int, Box, Box, int]]] = {}
+        for o in overlaps([c.box for c in chunks], tboxes):
+            chunk = chunks[o.src]
+            bands = [chunk.box] if chunk.encoding != "raw" else split_rows(o.box, step)
+            for piece in bands:
+                key = (
+                    -1 if chunk.encoding != "raw" else piece.offsets[0] // step if piece.ndim else 0
                 )
-                next_id += 1
-                out_parts = [
-                    Part(read.id, inter, t, h, inter.numel * isz)
-                    for inter, t in parts
-                    for h in targets[t].holders
-                ]
-                bands.append((read, out_parts))
-    return ReadPlan(targets, _waves(bands, world, budget), world)
+                by_band.setdefault(key, []).append((o.src, piece, o.box, first + o.dst))
+        for key in sorted(by_band):
+            group: list[tuple[Read, list[Part]]] = []
+            per_chunk: dict[int, list[tuple[Box, int]]] = {}
+            for ci, piece, obox, t in by_band[key]:
+                inter = obox if chunks[ci].encoding != "raw" else piece
+                per_chunk.setdefault(ci, []).append((inter, t))
+            for ci in sorted(per_chunk, key=lambda i: (chunks[i].file, chunks[i].begin)):
+                chunk = chunks[ci]
+                parts = per_chunk[ci]
+                for read_box, rparts in _read_boxes(chunk, parts, strategy, targets):
+                    encoded = chunk.encoding != "raw"
+                    if encoded:
+                        start, nb = chunk.begin, chunk.end - chunk.begin
+                    else:
+                        start = chunk.begin + _byte_offset(chunk.box, read_box, isz)
+                        nb = read_box.numel * isz
+                    recv: dict[int, int] = {}
+                    for inter, _, dests in rparts:
+                        for h in dests:
+                            recv[h] = recv.get(h, 0) + inter.numel * isz
+                    rot = zlib.crc32(f"{name}:{read_box.offsets}".encode()) % world
+                    reader = max(recv, key=lambda r: (recv[r], -read_load[r], -((r - rot) % world)))
+                    read_load[reader] += nb
+                    read = Read(
+                        next_id,
+                        name,
+                        chunk.file,
+                        start,
+                        start + nb,
+                        read_box,
+                        reader,
+                        chunk.encoding,
+                    )
+                    next_id += 1
+                    out = [
+                        Part(read.id, inter, t, h, inter.numel * isz)
+                        for inter, t, dests in rparts
+                        for h in dests
+                    ]
+                    group.append((read, out))
+            groups.append(group)
+            group_tensor.append(name)
+    return ReadPlan(targets, _waves(groups, group_tensor, world, budget), world, strategy)
 
 
-def _bands(chunk: Box, need: list[tuple[Box, int]], isz: int, limit: int) -> list[Box]:
-    """Row bands of ``chunk`` covering the rows some piece needs, each <= ``limit`` bytes."""
+def _read_boxes(
+    chunk, parts: list[tuple[Box, int]], strategy: str, targets: list[TargetBox]
+) -> list[tuple[Box, list[tuple[Box, int, tuple[int, ...]]]]]:
+    """The reads of one chunk's rows in one band: (read box, [(region, target, dests)]).
+
+    exchange: one read covering every needed row, for all destinations.
+    direct: one read per destination, covering only the rows that destination needs.
+    """
+    if chunk.encoding != "raw" or strategy == "exchange":
+        box = chunk.box if chunk.encoding != "raw" else _row_cover(chunk.box, [b for b, _ in parts])
+        return [(box, [(b, t, targets[t].holders) for b, t in parts])]
+    per_dest: dict[int, list[tuple[Box, int]]] = {}
+    for b, t in parts:
+        for h in targets[t].holders:
+            per_dest.setdefault(h, []).append((b, t))
+    return [
+        (_row_cover(chunk.box, [b for b, _ in ps]), [(b, t, (h,)) for b, t in ps])
+        for h, ps in sorted(per_dest.items())
+    ]
+
+
+def _row_cover(chunk: Box, boxes: list[Box]) -> Box:
+    """The rows of ``chunk`` (full width) spanning ``boxes``: one contiguous byte range."""
     if chunk.ndim == 0:
-        return [chunk]
-    lo = min(b.offsets[0] for b, _ in need)
-    hi = max(b.offsets[0] + b.sizes[0] for b, _ in need)
-    row = math.prod(chunk.sizes[1:]) * isz
-    step = max(1, limit // max(1, row))
-    out = []
-    for start in range(lo, hi, step):
-        end = min(hi, start + step)
-        out.append(Box((start, *chunk.offsets[1:]), (end - start, *chunk.sizes[1:])))
-    return out
+        return chunk
+    lo = min(b.offsets[0] for b in boxes)
+    hi = max(b.offsets[0] + b.sizes[0] for b in boxes)
+    return Box((lo, *chunk.offsets[1:]), (hi - lo, *chunk.sizes[1:]))
 
 
 def _byte_offset(chunk: Box, band: Box, isz: int) -> int:
@@ -170,22 +257,30 @@ def _byte_offset(chunk: Box, band: Box, isz: int) -> int:
     return (band.offsets[0] - chunk.offsets[0]) * math.prod(chunk.sizes[1:]) * isz
 
 
-def _waves(bands: list[tuple[Read, list[Part]]], world: int, budget: int) -> list[Wave]:
+def _waves(
+    groups: list[list[tuple[Read, list[Part]]]], group_tensor: list[str], world: int, budget: int
+) -> list[Wave]:
+    """Pack whole row-band groups into waves under the per-rank byte budget."""
+    last_group = {t: i for i, t in enumerate(group_tensor)}
     waves: list[Wave] = []
     cur = Wave()
     use = [0] * world
-    for read, parts in bands:
+    for gi, group in enumerate(groups):
         add = [0] * world
-        add[read.reader] += read.nbytes
-        for p in parts:
-            if p.dest != read.reader:
-                add[read.reader] += p.nbytes  # packed send buffer
-                add[p.dest] += p.nbytes  # receive buffer
+        for read, parts in group:
+            add[read.reader] += read.nbytes
+            for p in parts:
+                add[p.dest] += p.nbytes  # receive buffer or target buffer
+                if p.dest != read.reader:
+                    add[read.reader] += p.nbytes  # packed send buffer
         if cur.reads and any(u + a > budget for u, a in zip(use, add)):
             waves.append(cur)
             cur, use = Wave(), [0] * world
-        cur.reads.append(read)
-        cur.parts.extend(parts)
+        for read, parts in group:
+            cur.reads.append(read)
+            cur.parts.extend(parts)
+        if last_group[group_tensor[gi]] == gi:
+            cur.tensors_done += 1
         use = [u + a for u, a in zip(use, add)]
     if cur.reads:
         waves.append(cur)

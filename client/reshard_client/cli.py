@@ -127,6 +127,109 @@ def verify(
     raise typer.Exit(0 if report.ok else 1)
 
 
+def _bar(disable: bool = False) -> Progress:
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        "{task.fields[tensors]}",
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+        disable=disable or not err.is_terminal,
+    )
+
+
+@app.command()
+def convert(
+    src: Annotated[
+        str, typer.Argument(help="Source checkpoint (native, DCP HF, plain HF, DCP .distcp).")
+    ],
+    dst: Annotated[str, typer.Argument(help="Target folder (must be new or a checkpoint).")],
+    mesh: Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=4 or dp=2,tp=4.")] = None,
+    rules: Annotated[
+        str | None, typer.Option(help="YAML/JSON file mapping tensor-name globs to placements.")
+    ] = None,
+    format: Annotated[
+        str, typer.Option(help="native, or hf for one consolidated HF folder.")
+    ] = "native",
+    dtype: Annotated[str | None, typer.Option(help="Cast on the fly: bf16, fp16 or fp32.")] = None,
+    strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
+    max_memory: Annotated[str, typer.Option(help="Byte budget per worker, e.g. 1GiB.")] = "1GiB",
+    max_shard_size: Annotated[str, typer.Option(help="HF export: cap per file.")] = "5GB",
+    workers: Annotated[
+        int, typer.Option(min=1, help="torchrun workers to launch (1 runs in-process).")
+    ] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    args = [src, dst, "--format", format, "--strategy", strategy, "--max-memory", max_memory,
+            "--max-shard-size", max_shard_size]  # fmt: skip
+    for flag, value in (("--mesh", mesh), ("--rules", rules), ("--dtype", dtype)):
+        if value:
+            args += [flag, value]
+    with tempfile.TemporaryDirectory() as tmp, _bar(as_json) as bar:
+        task = bar.add_task("converting", total=None, tensors="")
+        progress_file = os.path.join(tmp, "progress.jsonl")
+        if workers == 1:
+            from reshard_svc.worker import main as worker_main
+
+            code = worker_main(["convert", *args, "--progress-file", progress_file])
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={workers}", "-m", "reshard_svc.worker", "convert", *args,
+                   "--progress-file", progress_file]  # fmt: skip
+            proc = subprocess.Popen(cmd)
+            while proc.poll() is None:
+                _show(bar, task, progress_file)
+                time.sleep(0.2)
+            code = proc.returncode
+        last = _show(bar, task, progress_file)
+    if code != 0 or last.get("event") != "done":
+        err.print(
+            f"[bold red]error:[/] {last.get('error', f'workers exited with {code}')}",
+            highlight=False,
+        )
+        raise typer.Exit(2)
+    if as_json:
+        sys.stdout.write(json.dumps(last) + "\n")
+    else:
+        out.print(
+            f"[green]converted[/] {src} -> {dst}: {last['tensors']} tensors, "
+            f"{_size(last['bytes_written'])} written in {last['seconds']} s ({last['strategy']})",
+            highlight=False,
+        )
+
+
+def _show(bar: Progress, task: Any, path: str) -> dict[str, Any]:
+    """Update the bar from the newest progress line; return that line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return {}
+    if not lines:
+        return {}
+    last: dict[str, Any] = json.loads(lines[-1])
+    for line in reversed(lines):
+        rec = json.loads(line)
+        if rec.get("event") == "progress":
+            bar.update(
+                task,
+                completed=rec["bytes_done"],
+                total=rec["bytes_total"],
+                tensors=f"{rec['tensors_done']}/{rec['tensors_total']} tensors",
+            )
+            break
+    return last
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point."""
     return app(args=argv)

@@ -11,22 +11,42 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from reshard_svc.errors import CorruptCheckpointError
-from reshard_svc.read_plan import Part, Read, ReadPlan
+from reshard_svc.read_plan import Part, Read, ReadPlan, Wave
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.storage import FsspecStorage, LocalStorage
 
-__all__ = ["Sink", "execute"]
+__all__ = ["Progress", "ProgressInfo", "Sink", "execute"]
 
 logger = logging.getLogger(__name__)
 
 #: ``sink(part, data)``: ``data`` holds ``part.box`` of the source tensor (source dtype).
 Sink = Callable[[Part, torch.Tensor], None]
-#: ``progress(bytes_done, bytes_total)`` after every wave (same numbers on every rank).
-Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ProgressInfo:
+    """Reported after every wave; the same numbers on every rank."""
+
+    bytes_done: int
+    bytes_total: int
+    tensors_done: int
+    tensors_total: int
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+            "tensors_done": self.tensors_done,
+            "tensors_total": self.tensors_total,
+        }
+
+
+Progress = Callable[[ProgressInfo], None]
 
 
 def _align(n: int) -> int:
@@ -74,25 +94,37 @@ def execute(
     comm: Comm,
     sink: Sink,
     progress: Progress | None = None,
+    on_wave_end: Callable[[Wave], None] | None = None,
 ) -> int:
-    """Run the plan on this rank; returns the bytes this rank read from storage."""
+    """Run the plan on this rank; returns the bytes this rank read from storage.
+
+    ``on_wave_end(wave)`` runs after every part of the wave reached its sink.
+    """
     me = comm.rank
-    total = sum(p.nbytes for w in plan.waves for p in w.parts)
-    done = 0
+    total = plan.bytes_total
+    tensors_total = len({t.tensor for t in plan.targets})
+    done = tensors_done = 0
     bytes_read = 0
     tensors = {r.id: r.tensor for w in plan.waves for r in w.reads}
+    # A failure in a sink or wave hook is held until the next agreement point, so every
+    # rank fails together instead of leaving peers blocked in all_to_all.
+    pending: list[BaseException] = []
+
+    def read_or_fail(mine: list[Read]) -> list[torch.Tensor]:
+        if pending:
+            raise pending[0]
+        bufs = read_bands(storage, [(r.file, r.begin, r.end) for r in mine])
+        return [_band_view(r, b, dtypes[r.tensor]) for r, b in zip(mine, bufs)]
+
     for i, wave in enumerate(plan.waves):
         readers = {r.id: r for r in wave.reads}
         mine = [r for r in wave.reads if r.reader == me]
-        # Agree on the reads before the exchange, so a storage error on one rank fails
-        # every rank instead of leaving its peers blocked in all_to_all.
-        bufs, _ = comm.run_everywhere(
-            f"reading wave {i + 1}/{len(plan.waves)}",
-            lambda mine=mine: read_bands(storage, [(r.file, r.begin, r.end) for r in mine]),
+        views, _ = comm.run_everywhere(
+            f"reading wave {i + 1}/{len(plan.waves)}", lambda mine=mine: read_or_fail(mine)
         )
         bytes_read += sum(r.nbytes for r in mine)
-        bands = {r.id: _band_view(r, b, dtypes[r.tensor]) for r, b in zip(mine, bufs)}
-        del bufs
+        bands = {r.id: v for r, v in zip(mine, views)}
+        del views
 
         def piece(p: Part, readers: dict = readers, bands: dict = bands) -> torch.Tensor:
             r = readers[p.read]
@@ -119,17 +151,24 @@ def execute(
             del send
         else:
             recv = torch.empty(0, dtype=torch.uint8)
-        for p in wave.parts:
-            if p.dest == me and readers[p.read].reader == me:
-                sink(p, piece(p))
-        off = 0
-        for p in crossing:
-            if p.dest == me:
-                data = recv[off : off + p.nbytes].view(dtypes[tensors[p.read]]).view(p.box.sizes)
-                sink(p, data)
-                off += _align(p.nbytes)
-        del recv, bands, piece
+        try:
+            for p in wave.parts:
+                if p.dest == me and readers[p.read].reader == me:
+                    sink(p, piece(p))
+            off = 0
+            for p in crossing:
+                if p.dest == me:
+                    data = recv[off : off + p.nbytes].view(dtypes[tensors[p.read]])
+                    sink(p, data.view(p.box.sizes))
+                    off += _align(p.nbytes)
+            del recv, bands, piece
+            if on_wave_end is not None:
+                on_wave_end(wave)
+        except Exception as e:  # surfaced on every rank at the next agreement
+            pending.append(e)
         done += sum(p.nbytes for p in wave.parts)
+        tensors_done += wave.tensors_done
         if progress is not None:
-            progress(done, total)
+            progress(ProgressInfo(done, total, tensors_done, tensors_total))
+    comm.run_everywhere("finishing the exchange", lambda: read_or_fail([]))
     return bytes_read

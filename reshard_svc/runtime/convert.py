@@ -1,0 +1,367 @@
+"""``convert``: any source layout -> any target layout (or one HF folder), offline.
+
+Run by W workers (torchrun; W=1 needs no process group). Every worker computes the same
+output plan (files, headers, chunk byte ranges) and the same read plan. Each output file
+has one writer worker; its target boxes are cut into row bands on the read plan's grid,
+so every band is complete at the end of its wave and is streamed into the file in order
+(header first, then data), hashed on the way. Rank 0 commits the index last; a failed or
+killed conversion leaves no committed target.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard_svc import __version__
+from reshard_svc.errors import CheckpointError, LayoutError
+from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.layout import Box, Layout, Mesh
+from reshard_svc.read_plan import Part, ReadPlan, Wave, band_limit, plan_reads, row_step, split_rows
+from reshard_svc.rules import resolve_layouts
+from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.exchange import Progress, execute
+from reshard_svc.runtime.load import open_shared
+from reshard_svc.safetensors_io import dtype_from_name, encode_header, itemsize
+from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
+from reshard_svc.storage import FsspecStorage, HashingWriter, LocalStorage, open_storage
+
+__all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONVERT_MEMORY = 1024**3
+DEFAULT_SHARD_SIZE = 5 * 1000**3  # HF's default max_shard_size
+HF_INDEX = "model.safetensors.index.json"
+
+#: Cost model constants (see ``choose_strategy``). Local page-cache reads are far faster
+#: than gloo's ~2-3 GB/s exchange; object stores pay per request and per byte.
+LOCAL = {"latency_s": 5e-5, "bandwidth": 3e9}
+REMOTE = {"latency_s": 3e-2, "bandwidth": 5e8}
+EXCHANGE_BANDWIDTH = 2.5e9
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """``1GiB``, ``512MB``, ``1e9`` or an int -> bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    t = str(text).strip()
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+             "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+             "tb": 1000**4, "tib": 1024**4}  # fmt: skip
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
+    unit = t[len(num) :].strip().lower()
+    try:
+        value = float(num)
+    except ValueError:
+        raise LayoutError(
+            f"size {text!r} is not a number with an optional unit like 1GiB"
+        ) from None
+    if unit not in units or value <= 0:
+        raise LayoutError(f"size {text!r}: use a positive number and a unit such as MiB or GB")
+    return int(value * units[unit])
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    index: CheckpointIndex
+    strategy: str
+    bytes_read: int  # by this worker
+    bytes_read_total: int  # by all workers
+    bytes_exchanged: int
+    bytes_written_total: int
+    waves: int
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    files: tuple[FileSpec, ...]  # FileSpec.writer is the worker rank
+    chunks: dict[str, tuple[Chunk, ...]]
+    layouts: dict[str, Layout | None]
+    dtypes: dict[str, torch.dtype]
+
+
+def _assign_files(files: list[FileSpec], workers: int) -> list[FileSpec]:
+    """Each output file gets one writer worker, balancing bytes (deterministic)."""
+    load = [0] * workers
+    out = []
+    for spec in sorted(files, key=lambda f: (-f.size, f.name)):
+        w = min(range(workers), key=lambda r: (load[r], r))
+        load[w] += spec.size
+        out.append(FileSpec(spec.name, w, spec.entries, spec.header, spec.size))
+    return sorted(out, key=lambda f: f.name)
+
+
+def plan_native(
+    index: CheckpointIndex, layouts: dict[str, Layout], dtypes: dict[str, torch.dtype],
+    workers: int, token: str, suffix: str,
+) -> OutputPlan:  # fmt: skip
+    world = max((lay.mesh.size for lay in layouts.values()), default=1)
+    placements = []
+    for name, meta in index.tensors.items():
+        lay = layouts[name]
+        items = lay.write_items(meta.shape)
+        placements.append(
+            TensorPlacement(
+                name, dtypes[name], meta.shape, lay, tuple((it.box, it.holders) for it in items)
+            )
+        )
+    plan = plan_save(placements, world, token=token, file_suffix=suffix)
+    return OutputPlan(
+        tuple(_assign_files(list(plan.files), workers)), plan.chunks, dict(layouts), dtypes
+    )
+
+
+def plan_hf(
+    index: CheckpointIndex, dtypes: dict[str, torch.dtype], workers: int, max_shard: int
+) -> OutputPlan:
+    """Consolidated HF export: whole tensors in size-capped ``model-0000i-of-0000N`` files."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(index.tensors):
+        meta = index.tensors[name]
+        n = math.prod(meta.shape) * itemsize(dtypes[name])
+        if groups[-1] and size + n > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    total = len(groups)
+    files: list[FileSpec] = []
+    chunks: dict[str, tuple[Chunk, ...]] = {}
+    for i, names in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        header, ranges = encode_header(
+            [(n, dtypes[n], index.tensors[n].shape) for n in names], {"format": "pt"}
+        )
+        end = len(header)
+        for n in names:
+            b, e = ranges[n]
+            shape = index.tensors[n].shape
+            chunks[n] = (
+                (Chunk(Box((0,) * len(shape), shape), fname, b, e),) if math.prod(shape) else ()
+            )
+            end = max(end, e)
+        full = tuple(
+            (n, Box((0,) * len(index.tensors[n].shape), index.tensors[n].shape)) for n in names
+        )
+        files.append(FileSpec(fname, 0, full, header, end))
+    return OutputPlan(
+        tuple(_assign_files(files, workers)), chunks, dict.fromkeys(index.tensors), dtypes
+    )
+
+
+def choose_strategy(plans: dict[str, ReadPlan], storage: FsspecStorage) -> str:
+    """The cheaper of exchange/direct under a simple cost model.
+
+    cost(direct)   = requests x latency + bytes read (over-reads included) / storage bw
+    cost(exchange) = requests x latency + bytes read / storage bw + bytes moved / ~2.5 GB/s
+    Both sides are spread over the workers, so totals are divided by the worker count.
+    """
+    c = LOCAL if isinstance(storage, LocalStorage) else REMOTE
+
+    def cost(p: ReadPlan) -> float:
+        w = max(1, p.world)
+        return (
+            p.reads_count() * c["latency_s"] / w
+            + sum(p.bytes_read()) / c["bandwidth"] / w
+            + p.bytes_exchanged() / EXCHANGE_BANDWIDTH
+        )
+
+    return min(plans, key=lambda k: (cost(plans[k]), k != "exchange"))
+
+
+def convert(
+    src: str,
+    dst: str,
+    *,
+    mesh: Mesh | str | None = None,
+    rules: str | Mapping[str, Any] | None = None,
+    format: str = "native",
+    dtype: str | torch.dtype | None = None,
+    strategy: str = "auto",
+    max_memory: int | str | None = None,
+    max_shard_size: int | str | None = None,
+    process_group: Any = None,
+    progress: Progress | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ConvertResult:
+    """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
+
+    Called by every worker of ``process_group`` (or one process without one). ``mesh``
+    (``"tp=4"``, ``"dp=2,tp=4"``) and ``rules`` (glob -> placements) choose the target
+    layouts; ``format="hf"`` writes one consolidated HF folder instead. ``max_memory`` is
+    the per-worker byte budget for in-flight data.
+    """
+    if format not in ("native", "hf"):
+        raise LayoutError(f"format must be 'native' or 'hf', got {format!r}")
+    if strategy not in ("auto", "exchange", "direct"):
+        raise LayoutError(f"strategy must be auto, exchange or direct, got {strategy!r}")
+    budget = parse_size(max_memory) or DEFAULT_CONVERT_MEMORY
+    shard_cap = parse_size(max_shard_size) or DEFAULT_SHARD_SIZE
+    out_dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    comm = Comm(process_group)
+    storage, index = open_shared(src, comm, storage_options)
+    target = open_storage(dst, storage_options)
+    if target.uri.rstrip("/") == storage.uri.rstrip("/"):
+        raise LayoutError("source and target are the same folder: convert into a new target")
+
+    def prepare() -> dict[str, Any]:
+        layouts = resolve_layouts(index, mesh, rules) if format == "native" else {}
+        if comm.rank == 0:
+            target.check_target(INDEX_NAME)
+        state["layouts"] = layouts
+        return {"token": uuid.uuid4().hex}
+
+    state: dict[str, Any] = {}
+    _, infos = comm.run_everywhere("convert: planning target layouts", prepare)
+    token = infos[0]["token"]
+    staging = target.staging(token)
+    dtypes = {n: out_dtype or m.dtype for n, m in index.tensors.items()}
+    if format == "native":
+        out = plan_native(index, state["layouts"], dtypes, comm.world, token, staging.file_suffix)
+    else:
+        out = plan_hf(index, dtypes, comm.world, shard_cap)
+
+    # Target boxes cut on the read plan's row grid; each band lands at a known file offset.
+    writer_of = {f.name: f.writer for f in out.files}
+    wanted: dict[str, list[tuple[Box, tuple[int, ...]]]] = {}
+    where: dict[tuple[str, Box], tuple[str, int]] = {}
+    for name, chunks in out.chunks.items():
+        meta = index.tensors[name]
+        step = row_step(meta.shape, meta.itemsize, band_limit(budget))
+        osz = itemsize(dtypes[name])
+        bands = []
+        for c in chunks:
+            row = math.prod(c.box.sizes[1:]) * osz if c.box.ndim else 0
+            for band in split_rows(c.box, step):
+                off = (band.offsets[0] - c.box.offsets[0]) * row if band.ndim else 0
+                where[(name, band)] = (c.file, c.begin + off)
+                bands.append((band, (writer_of[c.file],)))
+        wanted[name] = bands
+    plans = {}
+    for s in ("exchange", "direct") if strategy == "auto" else (strategy,):
+        plans[s] = plan_reads(index, wanted, comm.world, budget, strategy=s)
+    chosen = choose_strategy(plans, storage) if len(plans) > 1 else strategy
+    plan = plans[chosen]
+    logger.info("convert %s -> %s: %s strategy, %d waves", src, dst, chosen, len(plan.waves))
+
+    my_files = [f for f in out.files if f.writer == comm.rank]
+    writers: dict[str, _FileWriter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def sink(part: Part, data: torch.Tensor) -> None:
+        t = plan.targets[part.target]
+        buf = buffers.get(part.target)
+        if buf is None:
+            buf = buffers[part.target] = torch.empty(t.box.sizes, dtype=dtypes[t.tensor])
+        buf[part.box.slices_in(t.box)].copy_(data)
+
+    def flush(wave: Wave) -> None:
+        for ti in sorted(
+            buffers, key=lambda i: where[(plan.targets[i].tensor, plan.targets[i].box)]
+        ):
+            t = plan.targets[ti]
+            fname, offset = where[(t.tensor, t.box)]
+            writers[fname].put(offset, buffers.pop(ti))
+
+    def open_writers() -> None:
+        for spec in my_files:
+            writers[spec.name] = _FileWriter(staging, spec)
+
+    src_dtypes = {n: m.dtype for n, m in index.tensors.items()}
+    try:
+        # Each step fails on every rank together (execute agrees per wave), so no rank is
+        # ever left waiting in a collective its peers abandoned.
+        comm.run_everywhere("convert: opening output files", open_writers)
+        bytes_read = execute(plan, storage, src_dtypes, comm, sink, progress, flush)
+        _, results = comm.run_everywhere(
+            "convert: closing output files",
+            lambda: [bytes_read, [w.close() for w in writers.values()]],
+        )
+    except Exception:
+        for w in writers.values():
+            w.discard()
+        if comm.rank == 0:
+            target.abort(staging)
+        raise
+    files = {name: FileMeta(size, sha) for r in results for name, size, sha in r[1]}
+    result_index = CheckpointIndex(
+        tensors={
+            n: TensorMeta(n, dtypes[n], m.shape, out.layouts.get(n), out.chunks.get(n, ()))
+            for n, m in index.tensors.items()
+        },
+        files=files,
+        extras=dict(index.extras),
+        created_by=f"reshard_svc {__version__}",
+    )
+
+    def commit() -> None:
+        if comm.rank != 0:
+            return
+        try:
+            result_index.check()
+            if format == "hf":
+                weight_map = {n: c[0].file for n, c in out.chunks.items() if c}
+                total = sum(m.nbytes for m in result_index.tensors.values())
+                staging.write(
+                    HF_INDEX,
+                    json.dumps(
+                        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
+                    ).encode(),
+                )
+            target.commit(staging, INDEX_NAME, result_index.dumps())
+        except Exception:
+            target.abort(staging)
+            raise
+
+    comm.run_everywhere("convert: commit", commit)
+    return ConvertResult(
+        result_index,
+        chosen,
+        bytes_read,
+        sum(r[0] for r in results),
+        plan.bytes_exchanged(),
+        sum(f.size for f in files.values()),
+        len(plan.waves),
+    )
+
+
+class _FileWriter:
+    """Streams one output file: header, then target bands strictly in offset order."""
+
+    def __init__(self, staging: FsspecStorage, spec: FileSpec) -> None:
+        self.spec = spec
+        self.raw = staging.open_write(spec.name)
+        self.out = HashingWriter(self.raw)
+        self.out.write(spec.header)
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def put(self, offset: int, data: torch.Tensor) -> None:
+        self.pending[offset] = data
+        while self.out.size in self.pending:
+            t = self.pending.pop(self.out.size).contiguous().reshape(-1)
+            self.out.write(memoryview(t.view(torch.uint8).numpy()))
+
+    def close(self) -> list[Any]:
+        if self.pending or self.out.size != self.spec.size:
+            raise CheckpointError(
+                f"{self.spec.name}: wrote {self.out.size} of {self.spec.size} bytes "
+                f"({len(self.pending)} bands out of order): the source does not cover the target"
+            )
+        self.raw.close()
+        return [self.spec.name, self.out.size, self.out.hexdigest()]
+
+    def discard(self) -> None:
+        try:
+            self.raw.close()
+        except Exception:  # best effort: the staging area is removed by the coordinator
+            logger.debug("closing %s after a failure", self.spec.name, exc_info=True)
