@@ -234,3 +234,30 @@ def sharded_tensor_round_trip(path: str) -> dict:
         for sh in st2.local_shards()
     )
     return {"dtensor_ok": bool(torch.equal(dt.full_tensor(), g)), "sharded_ok": ok2}
+
+
+def convert_stage(src: str, dst: str, kwargs: dict) -> dict:
+    """One conversion by every worker of the launched group."""
+    import resource
+
+    import reshard_svc
+
+    before = _rss_mb()
+    res = reshard_svc.convert(src, dst, **kwargs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "strategy": res.strategy,
+        "waves": res.waves,
+        "bytes_read_total": res.bytes_read_total,
+        "bytes_exchanged": res.bytes_exchanged,
+        "rss_before_mb": before,
+        "peak_rss_mb": peak,
+    }
+
+
+def _rss_mb() -> float:
+    import os
+
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
