@@ -238,13 +238,12 @@ def sharded_tensor_round_trip(path: str) -> dict:
 
 def convert_stage(src: str, dst: str, kwargs: dict) -> dict:
     """One conversion by every worker of the launched group."""
-    import resource
-
     import reshard_svc
 
+    _reset_peak()
     before = _rss_mb()
     res = reshard_svc.convert(src, dst, **kwargs)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _peak_mb()
     return {
         "strategy": res.strategy,
         "waves": res.waves,
@@ -253,6 +252,23 @@ def convert_stage(src: str, dst: str, kwargs: dict) -> dict:
         "rss_before_mb": before,
         "peak_rss_mb": peak,
     }
+
+
+def _reset_peak() -> None:
+    """Reset this process's RSS high-water mark (VmHWM); ru_maxrss survives exec."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _rss_mb() -> float:
