@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -100,17 +99,45 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def rchar() -> int:
-    """Bytes this process read through read()/pread() so far (page-cache hits included)."""
+def _io(field: str) -> int:
     with open("/proc/self/io") as f:
         for line in f:
-            if line.startswith("rchar:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
 
+def rchar() -> int:
+    """Bytes this process read through read()/pread() so far (page-cache hits included)."""
+    return _io("rchar")
+
+
+def wchar() -> int:
+    """Bytes this process wrote through write()/pwrite() so far."""
+    return _io("wchar")
+
+
+def reset_peak() -> float:
+    """Reset the RSS high-water mark (VmHWM; ru_maxrss survives exec); return RSS in MB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return vm("VmRSS")
+
+
+def vm(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak RSS of this process since exec (VmHWM), in MB."""
+    return vm("VmHWM")
 
 
 def timed(op: Callable[[], Any]) -> dict[str, Any]:
@@ -118,11 +145,16 @@ def timed(op: Callable[[], Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.barrier()
-    r0, t0 = rchar(), time.perf_counter()
+    r0, w0, t0 = rchar(), wchar(), time.perf_counter()
     op()
     dist.barrier()
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "bytes_read": rchar() - r0, "peak_rss_mb": peak_rss_mb()}
+    return {
+        "wall_s": wall,
+        "bytes_read": rchar() - r0,
+        "bytes_written": wchar() - w0,
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 def launch(nproc: int, script: str, args: list[str], results: str) -> list[dict[str, Any]]:
@@ -157,9 +189,11 @@ def summarize(runs: list[list[dict[str, Any]]], model: int) -> dict[str, Any]:
     walls = [max(r["wall_s"] for r in run) for run in runs]
     rss = [max(r["peak_rss_mb"] for r in run) for run in runs]
     reads = [sum(r["bytes_read"] for r in run) for run in runs]
+    writes = [sum(r.get("bytes_written", 0) for r in run) for run in runs]
     return {
         "wall_s": round(statistics.median(walls), 3),
         "wall_s_all": [round(w, 3) for w in walls],
         "peak_rss_mb_per_rank": round(statistics.median(rss)),
         "bytes_read_rel": round(statistics.median(reads) / model, 2),
+        "bytes_written_rel": round(statistics.median(writes) / model, 2),
     }
