@@ -10,6 +10,7 @@ killed conversion leaves no committed target.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, Tens
 from reshard_svc.layout import Box, Layout, Mesh
 from reshard_svc.read_plan import Part, ReadPlan, Wave, band_limit, plan_reads, row_step, split_rows
 from reshard_svc.rules import resolve_layouts
+from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.load import open_shared
@@ -257,13 +259,16 @@ def convert(
     writers: dict[str, _FileWriter] = {}
     buffers: dict[int, torch.Tensor] = {}
 
-    @torch.no_grad()
-    def sink(part: Part, data: torch.Tensor) -> None:
+    def dest_view(part: Part) -> torch.Tensor:
         t = plan.targets[part.target]
         buf = buffers.get(part.target)
         if buf is None:
             buf = buffers[part.target] = torch.empty(t.box.sizes, dtype=dtypes[t.tensor])
-        buf[part.box.slices_in(t.box)].copy_(data)
+        return buf[part.box.slices_in(t.box)]
+
+    @torch.no_grad()
+    def sink(part: Part, data: torch.Tensor) -> None:
+        dest_view(part).copy_(data)
 
     def flush(wave: Wave) -> None:
         for ti in sorted(
@@ -273,21 +278,29 @@ def convert(
             fname, offset = where[(t.tensor, t.box)]
             writers[fname].put(offset, buffers.pop(ti))
 
+    background = BackgroundWriter(max(1, budget // 4))
+
     def open_writers() -> None:
         for spec in my_files:
-            writers[spec.name] = _FileWriter(staging, spec)
+            writers[spec.name] = _FileWriter(staging, spec, background)
 
     src_dtypes = {n: m.dtype for n, m in index.tensors.items()}
     try:
         # Each step fails on every rank together (execute agrees per wave), so no rank is
         # ever left waiting in a collective its peers abandoned.
         comm.run_everywhere("convert: opening output files", open_writers)
-        bytes_read = execute(plan, storage, src_dtypes, comm, sink, progress, flush)
-        _, results = comm.run_everywhere(
-            "convert: closing output files",
-            lambda: [bytes_read, [w.close() for w in writers.values()]],
+        bytes_read = execute(
+            plan, storage, src_dtypes, comm, sink, progress, flush, dest_view=dest_view
         )
+
+        def close_all() -> list[Any]:
+            background.drain()
+            return [bytes_read, [w.close() for w in writers.values()]]
+
+        _, results = comm.run_everywhere("convert: closing output files", close_all)
     except Exception:
+        with contextlib.suppress(Exception):
+            background.close()
         for w in writers.values():
             w.discard()
         if comm.rank == 0:
@@ -323,6 +336,7 @@ def convert(
             target.abort(staging)
             raise
 
+    background.close()
     comm.run_everywhere("convert: commit", commit)
     return ConvertResult(
         result_index,
@@ -336,20 +350,27 @@ def convert(
 
 
 class _FileWriter:
-    """Streams one output file: header, then target bands strictly in offset order."""
+    """Streams one output file: header, then target bands strictly in offset order,
+    hashed and written on the background threads."""
 
-    def __init__(self, staging: FsspecStorage, spec: FileSpec) -> None:
+    def __init__(
+        self, staging: FsspecStorage, spec: FileSpec, background: BackgroundWriter
+    ) -> None:
         self.spec = spec
+        self.background = background
         self.raw = staging.open_write(spec.name)
         self.out = HashingWriter(self.raw)
         self.out.write(spec.header)
+        self.next = len(spec.header)  # offset of the next byte to queue
         self.pending: dict[int, torch.Tensor] = {}
 
     def put(self, offset: int, data: torch.Tensor) -> None:
         self.pending[offset] = data
-        while self.out.size in self.pending:
-            t = self.pending.pop(self.out.size).contiguous().reshape(-1)
-            self.out.write(memoryview(t.view(torch.uint8).numpy()))
+        while self.next in self.pending:
+            t = self.pending.pop(self.next).contiguous()
+            mv = tensor_bytes(t)
+            self.background.submit(self.out, mv, keep=t)
+            self.next += mv.nbytes
 
     def close(self) -> list[Any]:
         if self.pending or self.out.size != self.spec.size:

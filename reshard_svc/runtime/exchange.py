@@ -17,6 +17,7 @@ import torch
 
 from reshard_svc.errors import CorruptCheckpointError
 from reshard_svc.read_plan import Part, Read, ReadPlan, Wave
+from reshard_svc.runtime.buffers import tensor_runs
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.storage import FsspecStorage, LocalStorage
 
@@ -47,6 +48,8 @@ class ProgressInfo:
 
 
 Progress = Callable[[ProgressInfo], None]
+#: ``dest_view(part)``: the CPU tensor region ``part`` lands in, or None.
+DestView = Callable[[Part], "torch.Tensor | None"]
 
 
 def _align(n: int) -> int:
@@ -95,10 +98,14 @@ def execute(
     sink: Sink,
     progress: Progress | None = None,
     on_wave_end: Callable[[Wave], None] | None = None,
+    dest_view: DestView | None = None,
 ) -> int:
     """Run the plan on this rank; returns the bytes this rank read from storage.
 
     ``on_wave_end(wave)`` runs after every part of the wave reached its sink.
+    ``dest_view(part)`` may return the CPU tensor region a part will land in; when a
+    read is exactly such a part on a local file, the bytes are read straight into it
+    (``preadv``, no staging buffer) and the sink is not called for that part.
     """
     me = comm.rank
     total = plan.bytes_total
@@ -110,17 +117,43 @@ def execute(
     # rank fails together instead of leaving peers blocked in all_to_all.
     pending: list[BaseException] = []
 
-    def read_or_fail(mine: list[Read]) -> list[torch.Tensor]:
+    local = isinstance(storage, LocalStorage)
+
+    def read_or_fail(mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         if pending:
             raise pending[0]
-        bufs = read_bands(storage, [(r.file, r.begin, r.end) for r in mine])
-        return [_band_view(r, b, dtypes[r.tensor]) for r, b in zip(mine, bufs)]
+        out: dict[int, torch.Tensor] = {}
+        buffered = []
+        for r in mine:
+            view = None
+            if local and dest_view is not None and r.encoding == "raw":
+                own = [p for p in parts.get(r.id, ()) if p.dest == me and p.box == r.box]
+                if own:
+                    view = dest_view(own[0])
+                    runs = tensor_runs(view) if view is not None else None
+                    if view is not None and view.dtype == dtypes[r.tensor] and runs is not None:
+                        storage.read_runs(r.file, r.begin, runs)  # type: ignore[attr-defined]
+                        out[r.id] = view
+                        direct.add(id(own[0]))
+                        continue
+            buffered.append(r)
+        bufs = read_bands(storage, [(r.file, r.begin, r.end) for r in buffered])
+        for r, b in zip(buffered, bufs):
+            out[r.id] = _band_view(r, b, dtypes[r.tensor])
+        return [out[r.id] for r in mine]
 
+    direct: set[int] = set()  # parts already in place (read straight into dest_view)
     for i, wave in enumerate(plan.waves):
         readers = {r.id: r for r in wave.reads}
         mine = [r for r in wave.reads if r.reader == me]
+        parts_of: dict[int, list[Part]] = {}
+        for p in wave.parts:
+            if readers[p.read].reader == me:
+                parts_of.setdefault(p.read, []).append(p)
+        direct.clear()
         views, _ = comm.run_everywhere(
-            f"reading wave {i + 1}/{len(plan.waves)}", lambda mine=mine: read_or_fail(mine)
+            f"reading wave {i + 1}/{len(plan.waves)}",
+            lambda mine=mine, parts_of=parts_of: read_or_fail(mine, parts_of),
         )
         bytes_read += sum(r.nbytes for r in mine)
         bands = {r.id: v for r, v in zip(mine, views)}
@@ -153,7 +186,7 @@ def execute(
             recv = torch.empty(0, dtype=torch.uint8)
         try:
             for p in wave.parts:
-                if p.dest == me and readers[p.read].reader == me:
+                if p.dest == me and readers[p.read].reader == me and id(p) not in direct:
                     sink(p, piece(p))
             off = 0
             for p in crossing:
@@ -170,5 +203,5 @@ def execute(
         tensors_done += wave.tensors_done
         if progress is not None:
             progress(ProgressInfo(done, total, tensors_done, tensors_total))
-    comm.run_everywhere("finishing the exchange", lambda: read_or_fail([]))
+    comm.run_everywhere("finishing the exchange", lambda: read_or_fail([], {}))
     return bytes_read

@@ -121,8 +121,13 @@ def load(
         view = placed[name].local[tbox]
         view[part.box.slices_in(tbox)].copy_(data)
 
+    def dest_view(part: Part) -> torch.Tensor | None:
+        name, tbox = box_index[part.target]
+        return placed[name].local[tbox][part.box.slices_in(tbox)]
+
     dtypes = {n: m.dtype for n, m in index.tensors.items()}
-    read = execute(plan, storage, dtypes, comm, sink, progress)
+    with torch.no_grad():
+        read = execute(plan, storage, dtypes, comm, sink, progress, dest_view=dest_view)
     return LoadStats(read, sum(index.tensors[n].nbytes for n in placed), len(plan.waves))
 
 

@@ -23,38 +23,36 @@ import torch
 from reshard_svc import __version__
 from reshard_svc.errors import CheckpointError, StateDictError
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, FileMeta, TensorMeta
+from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.targets import Placed, describe
 from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
 from reshard_svc.state_dict import flatten
 from reshard_svc.storage import FsspecStorage, HashingWriter, open_storage
 
-__all__ = ["save", "write_box"]
+__all__ = ["box_bands", "save"]
 
 logger = logging.getLogger(__name__)
 
 #: Boxes are copied (and moved off the GPU) in row bands of at most this many bytes.
 WRITE_BAND_BYTES = 64 * 1024 * 1024
+#: Bytes queued for the hash/write threads before the writing rank waits.
+WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
 
-def write_box(out: HashingWriter, view: torch.Tensor) -> None:
-    """Stream one box's bytes, row-major, in bands; only one band is copied at a time."""
+def box_bands(view: torch.Tensor) -> list[torch.Tensor]:
+    """A box's data as contiguous CPU row bands of at most WRITE_BAND_BYTES (views when the
+    box is already contiguous on the CPU; one band is copied at a time otherwise)."""
     if view.dim() == 0 or view.numel() == 0:
-        bands = [view]
-    else:
-        row = max(1, view[0].numel() * view.element_size())
-        step = max(1, WRITE_BAND_BYTES // row)
-        bands = [view[i : i + step] for i in range(0, view.shape[0], step)]
-    for band in bands:
-        band = band.detach()
-        if band.device.type != "cpu":
-            band = band.to("cpu")
-        band = band.contiguous().reshape(-1)
-        if band.numel():
-            out.write(memoryview(band.view(torch.uint8).numpy()))
+        return [view]
+    row = max(1, view[0].numel() * view.element_size())
+    step = max(1, WRITE_BAND_BYTES // row)
+    return [view[i : i + step] for i in range(0, view.shape[0], step)]
 
 
-def _write_file(staging: FsspecStorage, spec: FileSpec, placed: dict[str, Placed]) -> list[Any]:
+def _write_file(
+    staging: FsspecStorage, spec: FileSpec, placed: dict[str, Placed], background: BackgroundWriter
+) -> list[Any]:
     with staging.open_write(spec.name) as raw:
         w = HashingWriter(raw)
         w.write(spec.header)
@@ -62,7 +60,10 @@ def _write_file(staging: FsspecStorage, spec: FileSpec, placed: dict[str, Placed
             view = placed[name].local.get(box)
             if view is None:  # the plan only assigns boxes to their holders
                 raise CheckpointError(f"rank holds no data for {name!r} box {box}")
-            write_box(w, view)
+            for band in box_bands(view.detach()):
+                band = band.to("cpu").contiguous()
+                background.submit(w, tensor_bytes(band), keep=band)
+        background.drain()
     if w.size != spec.size:
         raise CheckpointError(f"{spec.name}: wrote {w.size} bytes, planned {spec.size}")
     return [spec.name, w.size, w.hexdigest()]
@@ -122,7 +123,10 @@ def save(
     )
 
     def write() -> list[Any]:
-        return [_write_file(staging, spec, placed) for spec in plan.files_of(comm.rank)]
+        with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
+            return [
+                _write_file(staging, spec, placed, background) for spec in plan.files_of(comm.rank)
+            ]
 
     try:
         _, written = comm.run_everywhere("save: writing data files", write)
