@@ -15,6 +15,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from reshard_svc.storage import HashingWriter
@@ -24,7 +25,7 @@ __all__ = ["BackgroundWriter", "tensor_bytes", "tensor_runs"]
 MAX_RUNS = 16384
 
 
-def tensor_runs(view: torch.Tensor) -> list[memoryview] | None:
+def tensor_runs(view: torch.Tensor) -> list[Any] | None:
     """Writable byte views of ``view``'s contiguous runs in element order, or None when
     the view is not on the CPU or splits into more than ``MAX_RUNS`` runs."""
     if view.device.type != "cpu":
@@ -42,13 +43,21 @@ def tensor_runs(view: torch.Tensor) -> list[memoryview] | None:
     esz = view.element_size()
     run_bytes = math.prod(shape[k:]) * esz
     base = view.data_ptr()
+    if k == 1 and strides[0] > 0:
+        # The common case (rows of a wider tensor): numpy strides, C-speed iteration.
+        n, step = shape[0], strides[0] * esz
+        span = (n - 1) * step + run_bytes
+        flat = np.frombuffer((ctypes.c_char * span).from_address(base), dtype=np.uint8)
+        rows = np.lib.stride_tricks.as_strided(flat, (n, run_bytes), (step, 1), writeable=True)
+        return list(rows)  # type: ignore[arg-type]
     offsets = [0]
     for size, stride in zip(outer, strides[:k]):
         offsets = [o + i * stride * esz for o in offsets for i in range(size)]
-    return [
-        memoryview((ctypes.c_char * run_bytes).from_address(base + off)).cast("B")
-        for off in offsets
-    ]
+    # One buffer over the whole span, sliced per run: slicing a memoryview is cheap.
+    lo = min(offsets)
+    span = max(offsets) + run_bytes - lo
+    whole = memoryview((ctypes.c_char * span).from_address(base + lo)).cast("B")
+    return [whole[off - lo : off - lo + run_bytes] for off in offsets]
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -60,22 +69,43 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 class BackgroundWriter:
-    """Hash and write buffers in order on helper threads; at most ``max_bytes`` queued."""
+    """Hash and write buffers on helper threads; at most ``max_bytes`` queued.
 
-    def __init__(self, max_bytes: int) -> None:
+    Each output stream gets its own hash thread and write thread (up to ``max_streams``
+    pairs, then shared), so several files hash in parallel while order within a file is
+    kept.
+    """
+
+    def __init__(self, max_bytes: int, max_streams: int = 4) -> None:
         self.max_bytes = max(1, max_bytes)
-        self._hash = ThreadPoolExecutor(1, thread_name_prefix="reshard-hash")
-        self._write = ThreadPoolExecutor(1, thread_name_prefix="reshard-write")
+        self.max_streams = max_streams
+        self._lanes: dict[int, tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = {}
+        self._pool: list[tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = []
         self._queue: deque[tuple[Future[Any], Future[Any], int]] = deque()
         self._queued = 0
+
+    def _lane(self, out: HashingWriter) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        lane = self._lanes.get(id(out))
+        if lane is None:
+            if len(self._pool) < self.max_streams:
+                lane = (
+                    ThreadPoolExecutor(1, thread_name_prefix="reshard-hash"),
+                    ThreadPoolExecutor(1, thread_name_prefix="reshard-write"),
+                )
+                self._pool.append(lane)
+            else:
+                lane = self._pool[len(self._lanes) % self.max_streams]
+            self._lanes[id(out)] = lane
+        return lane
 
     def submit(self, out: HashingWriter, data: memoryview, keep: Any = None) -> None:
         """Queue ``data`` for ``out``; ``keep`` is held until the write is done."""
         n = data.nbytes
         while self._queue and self._queued + n > self.max_bytes:
             self._pop()
-        h = self._hash.submit(out.sha.update, data)
-        w = self._write.submit(_write_raw, out, data, keep)
+        hasher, writer = self._lane(out)
+        h = hasher.submit(out.sha.update, data)
+        w = writer.submit(_write_raw, out, data, keep)
         self._queue.append((h, w, n))
         self._queued += n
 
@@ -90,12 +120,18 @@ class BackgroundWriter:
         while self._queue:
             self._pop()
 
+    def _shutdown(self) -> None:
+        for hasher, writer in self._pool:
+            hasher.shutdown(wait=True)
+            writer.shutdown(wait=True)
+        self._pool.clear()
+        self._lanes.clear()
+
     def close(self) -> None:
         try:
             self.drain()
         finally:
-            self._hash.shutdown(wait=True)
-            self._write.shutdown(wait=True)
+            self._shutdown()
 
     def __enter__(self) -> BackgroundWriter:
         return self
@@ -103,8 +139,7 @@ class BackgroundWriter:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is not None:
             self._queue.clear()
-            self._hash.shutdown(wait=True)
-            self._write.shutdown(wait=True)
+            self._shutdown()
         else:
             self.close()
 
