@@ -47,6 +47,16 @@ def worker(args: argparse.Namespace) -> None:
                 f"{d}/src", f"{d}/out-ours-tp2", mesh="tp=2", max_memory=args.max_memory
             )
         )
+    elif args.op == "ours-tp2-nosha":
+        res = common.timed(
+            lambda: reshard_svc.convert(
+                f"{d}/src",
+                f"{d}/out-ours-tp2",
+                mesh="tp=2",
+                max_memory=args.max_memory,
+                checksum=False,
+            )
+        )
     elif args.op == "ours-hf":
         res = common.timed(
             lambda: reshard_svc.convert(
@@ -113,7 +123,7 @@ def main() -> None:
     try:
         common.launch(4, __file__, [*base, "--op", "setup"], results)
         for _ in range(args.runs):
-            for op in ("cp", "ours-tp2", "dcp-tp2", "ours-hf", "dcp-hf"):
+            for op in ("cp", "ours-tp2", "ours-tp2-nosha", "dcp-tp2", "ours-hf", "dcp-hf"):
                 for name in os.listdir(args.dir):
                     if name.startswith("out-"):
                         shutil.rmtree(os.path.join(args.dir, name), ignore_errors=True)
@@ -136,6 +146,7 @@ def main() -> None:
         print(json.dumps({"bench": "convert", "op": op, **s}))
     cp = stats["cp"]["wall_s"]
     summary["ours_tp2_over_cp"] = round(stats["ours-tp2"]["wall_s"] / cp, 2)
+    summary["ours_tp2_nosha_over_cp"] = round(stats["ours-tp2-nosha"]["wall_s"] / cp, 2)
     summary["ours_hf_over_cp"] = round(stats["ours-hf"]["wall_s"] / cp, 2)
     summary["ours_tp2_over_dcp"] = round(
         stats["ours-tp2"]["wall_s"] / stats["dcp-tp2"]["wall_s"], 2

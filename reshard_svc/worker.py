@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-memory", help="byte budget per worker, e.g. 1GiB")
     c.add_argument("--max-shard-size", help="HF export: cap per file, e.g. 5GB")
     c.add_argument("--progress-file", help="rank 0 appends JSON progress lines here")
+    c.add_argument(
+        "--no-checksum",
+        action="store_true",
+        help="skip sha256 of output files (faster, unverifiable)",
+    )
     return ap
 
 
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             max_memory=args.max_memory,
             max_shard_size=args.max_shard_size,
             progress=progress,
+            checksum=not args.no_checksum,
         )
     except Exception as e:
         _emit(progress_file, {"event": "error", "error": f"{type(e).__name__}: {e}"})

@@ -161,6 +161,9 @@ def convert(
     workers: Annotated[
         int, typer.Option(min=1, help="torchrun workers to launch (1 runs in-process).")
     ] = 1,
+    checksum: Annotated[
+        bool, typer.Option(help="sha256 every output file (--no-checksum is faster).")
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
@@ -174,6 +177,8 @@ def convert(
     for flag, value in (("--mesh", mesh), ("--rules", rules), ("--dtype", dtype)):
         if value:
             args += [flag, value]
+    if not checksum:
+        args.append("--no-checksum")
     with tempfile.TemporaryDirectory() as tmp, _bar(as_json) as bar:
         task = bar.add_task("converting", total=None, tensors="")
         progress_file = os.path.join(tmp, "progress.jsonl")

@@ -194,13 +194,15 @@ def convert(
     process_group: Any = None,
     progress: Progress | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    checksum: bool = True,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
 
     Called by every worker of ``process_group`` (or one process without one). ``mesh``
     (``"tp=4"``, ``"dp=2,tp=4"``) and ``rules`` (glob -> placements) choose the target
     layouts; ``format="hf"`` writes one consolidated HF folder instead. ``max_memory`` is
-    the per-worker byte budget for in-flight data.
+    the per-worker byte budget for in-flight data. ``checksum=False`` skips the sha256
+    of output files (the index then records none; ``verify`` checks everything else).
     """
     if format not in ("native", "hf"):
         raise LayoutError(f"format must be 'native' or 'hf', got {format!r}")
@@ -282,7 +284,7 @@ def convert(
 
     def open_writers() -> None:
         for spec in my_files:
-            writers[spec.name] = _FileWriter(staging, spec, background)
+            writers[spec.name] = _FileWriter(staging, spec, background, checksum)
 
     src_dtypes = {n: m.dtype for n, m in index.tensors.items()}
     try:
@@ -354,12 +356,12 @@ class _FileWriter:
     hashed and written on the background threads."""
 
     def __init__(
-        self, staging: FsspecStorage, spec: FileSpec, background: BackgroundWriter
+        self, staging: FsspecStorage, spec: FileSpec, background: BackgroundWriter, checksum: bool
     ) -> None:
         self.spec = spec
         self.background = background
         self.raw = staging.open_write(spec.name)
-        self.out = HashingWriter(self.raw)
+        self.out = HashingWriter(self.raw, checksum)
         self.out.write(spec.header)
         self.next = len(spec.header)  # offset of the next byte to queue
         self.pending: dict[int, torch.Tensor] = {}

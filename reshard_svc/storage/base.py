@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import IO, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
 __all__ = ["HashingWriter", "Storage"]
 
@@ -59,12 +59,18 @@ class Storage(Protocol):
     def abort(self, staging: Storage) -> None: ...
 
 
-class HashingWriter:
-    """Wraps a binary stream; counts bytes and computes sha256 of everything written."""
+class _NoHash:
+    def update(self, data: bytes | memoryview) -> None:
+        pass
 
-    def __init__(self, raw: IO[bytes]) -> None:
+
+class HashingWriter:
+    """Wraps a binary stream; counts bytes and computes sha256 of everything written
+    (``checksum=False`` skips the hash; :meth:`hexdigest` is then None)."""
+
+    def __init__(self, raw: IO[bytes], checksum: bool = True) -> None:
         self.raw = raw
-        self.sha = hashlib.sha256()
+        self.sha: Any = hashlib.sha256() if checksum else _NoHash()
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> int:
@@ -74,5 +80,5 @@ class HashingWriter:
         self.size += n
         return n
 
-    def hexdigest(self) -> str:
-        return self.sha.hexdigest()
+    def hexdigest(self) -> str | None:
+        return None if isinstance(self.sha, _NoHash) else self.sha.hexdigest()
