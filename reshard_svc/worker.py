@@ -64,6 +64,17 @@ def _emit(path: str | None, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def _die_with_parent() -> None:
+    """Under the server, exit when torchrun (our parent) dies: no orphans, no late commit."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -74,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from reshard_svc.runtime.convert import convert
 
+    if os.environ.get("RESHARD_JOB_ID"):
+        _die_with_parent()
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) >= 1
     if distributed and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

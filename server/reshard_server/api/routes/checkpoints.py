@@ -1,0 +1,47 @@
+"""``/v1/checkpoints``: inspect a checkpoint under the allowed roots."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+from starlette.concurrency import run_in_threadpool
+
+from reshard_server.api.deps import AuthDep, SettingsDep
+from reshard_server.paths import check_uri
+from reshard_svc.errors import (
+    CheckpointError,
+    NotACheckpointError,
+    PathNotAllowedError,
+    StorageError,
+    UnsafePickleError,
+)
+
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], dependencies=[AuthDep])
+
+
+@router.get("")
+async def inspect_checkpoint(
+    settings: SettingsDep, uri: Annotated[str, Query(min_length=1, max_length=4096)]
+) -> dict[str, Any]:
+    """Tensors (dtype, shape, layout, chunks), files and extras of a checkpoint."""
+    from reshard_svc import inspect
+    from reshard_svc.inspection import describe_index
+
+    try:
+        path = check_uri(uri, settings.roots, what="uri")
+    except PathNotAllowedError as e:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(e)) from None
+    try:
+        index = await run_in_threadpool(inspect, path)
+    except NotACheckpointError as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from None
+    except UnsafePickleError as e:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(e)) from None
+    except CheckpointError as e:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_ENTITY, f"{type(e).__name__}: {e}"
+        ) from None
+    except StorageError as e:
+        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"storage error: {e}") from None
+    return describe_index(index, uri)

@@ -1,0 +1,23 @@
+"""``/healthz`` (no auth) and ``/metrics`` (Prometheus text, auth)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from reshard_server.api.deps import AuthDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz(request: Request) -> dict[str, object]:
+    counts = request.app.state.store.counts()
+    return {"status": "ok", "jobs": counts}
+
+
+@router.get("/metrics", dependencies=[AuthDep])
+def metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

@@ -1,0 +1,192 @@
+"""``/v1/jobs``: submit, list, get, cancel, logs and server-sent progress events."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Annotated
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from reshard_server.api.deps import AuthDep, ManagerDep, SettingsDep, StoreDep
+from reshard_server.db import JobRow, QueueFull
+from reshard_server.paths import check_uri
+from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic, JobState, ProgressPublic
+from reshard_svc.errors import PathNotAllowedError
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
+
+MAX_LOG_CHUNK = 1024 * 1024
+
+
+def _ts(t: float | None) -> datetime | None:
+    return datetime.fromtimestamp(t, tz=timezone.utc) if t else None
+
+
+def to_public(job: JobRow) -> JobPublic:
+    progress = ProgressPublic(
+        **{k: int(v) for k, v in job.progress.items() if k in ProgressPublic.model_fields}
+    )
+    throughput = None
+    if job.started_at and progress.bytes_done:
+        elapsed = (job.finished_at or time.time()) - job.started_at
+        throughput = progress.bytes_done / elapsed if elapsed > 0 else None
+    return JobPublic(
+        id=job.id,
+        state=JobState(job.state),
+        spec=JobCreate(**job.spec),
+        source=job.spec["source"],
+        target=job.spec["target"],
+        progress=progress,
+        throughput_bytes_per_s=throughput,
+        error=job.error,
+        attempts=job.attempts,
+        created_at=_ts(job.created_at),  # type: ignore[arg-type]
+        started_at=_ts(job.started_at),
+        finished_at=_ts(job.finished_at),
+    )
+
+
+def _job_or_404(store: StoreDep, job_id: str) -> JobRow:
+    job = store.get(job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    return job
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobPublic)
+def submit(
+    spec: JobCreate,
+    settings: SettingsDep,
+    store: StoreDep,
+    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+) -> JSONResponse:
+    """Queue a conversion. The job is in the database before this replies 202.
+
+    With an ``Idempotency-Key`` already used for the same spec, the existing job is
+    returned (200); used for a different spec, 409.
+    """
+    try:
+        source = check_uri(spec.source, settings.roots, what="source")
+        target = check_uri(spec.target, settings.roots, what="target", write=True)
+    except PathNotAllowedError as e:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(e)) from None
+    if source.rstrip("/") == target.rstrip("/"):
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "target must differ from source")
+    if spec.workers > settings.max_workers:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_ENTITY,
+            f"workers={spec.workers} exceeds this server's limit of {settings.max_workers}",
+        )
+    body = spec.model_dump(mode="json")
+    body.update(source=source, target=target)
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    try:
+        job, created = store.create(
+            body, idempotency_key, digest if idempotency_key else None, settings.max_queued
+        )
+    except QueueFull as e:
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS, f"queue is full: {e}", headers={"Retry-After": "5"}
+        ) from None
+    if not created and job.idem_hash != digest:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"Idempotency-Key already used for job {job.id} with a different spec",
+        )
+    code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
+    return JSONResponse(to_public(job).model_dump(mode="json"), status_code=code)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    store: StoreDep,
+    state: JobState | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> JobList:
+    rows, total = store.list(state.value if state else None, limit, offset)
+    return JobList(items=[to_public(r) for r in rows], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(store: StoreDep, job_id: str) -> JobPublic:
+    return to_public(_job_or_404(store, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(store: StoreDep, manager: ManagerDep, job_id: str) -> JobPublic:
+    """Cancel: a queued job at once; a running one gets SIGTERM, SIGKILL after the grace."""
+    _job_or_404(store, job_id)
+    job = manager.cancel(job_id)
+    return to_public(job)  # type: ignore[arg-type]
+
+
+@router.get("/{job_id}/logs", response_model=JobLogs)
+def job_logs(
+    store: StoreDep,
+    manager: ManagerDep,
+    job_id: str,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    tail: Annotated[int | None, Query(ge=1, le=100_000, description="last N lines")] = None,
+) -> JobLogs:
+    _job_or_404(store, job_id)
+    path = manager.log_path(job_id)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return JobLogs(id=job_id, offset=0, next_offset=0, size=0, text="")
+    with open(path, "rb") as f:
+        if tail is not None:
+            start = max(0, size - MAX_LOG_CHUNK)
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines(keepends=True)[-tail:]
+            text = "".join(lines)
+            return JobLogs(
+                id=job_id, offset=size - len(text.encode()), next_offset=size, size=size, text=text
+            )
+        f.seek(min(offset, size))
+        data = f.read(MAX_LOG_CHUNK)
+    return JobLogs(
+        id=job_id, offset=min(offset, size), next_offset=min(offset, size) + len(data), size=size,
+        text=data.decode(errors="replace"),
+    )  # fmt: skip
+
+
+@router.get("/{job_id}/events", response_class=StreamingResponse)
+async def job_events(store: StoreDep, request: Request, job_id: str) -> StreamingResponse:
+    """Server-sent events: ``progress`` whenever it changes, then one ``state`` at the end."""
+    _job_or_404(store, job_id)
+    interval = request.app.state.settings.poll_interval_s
+
+    async def stream() -> AsyncIterator[str]:
+        last = None
+        beat = time.monotonic()
+        while True:
+            job = store.get(job_id)
+            if job is None:
+                return
+            public = to_public(job)
+            snapshot = (public.state, public.progress)
+            if snapshot != last:
+                last = snapshot
+                yield f"event: progress\ndata: {public.model_dump_json()}\n\n"
+                beat = time.monotonic()
+            if public.state.terminal:
+                yield f"event: state\ndata: {public.model_dump_json()}\n\n"
+                return
+            if time.monotonic() - beat > 15:
+                yield ": keep-alive\n\n"
+                beat = time.monotonic()
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(interval)
+
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

@@ -1,0 +1,168 @@
+"""Jobs in SQLite (WAL). Every write commits before the API replies."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["JobRow", "JobStore", "QueueFull"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    state TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    idem_key TEXT UNIQUE,
+    idem_hash TEXT,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    progress TEXT NOT NULL DEFAULT '{}',
+    error TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    cancel_requested INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+"""
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queued`` jobs already."""
+
+
+@dataclass
+class JobRow:
+    id: str
+    state: str
+    spec: dict[str, Any]
+    idem_key: str | None
+    idem_hash: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    progress: dict[str, Any]
+    error: str | None
+    attempts: int
+    cancel_requested: bool
+
+    @classmethod
+    def from_row(cls, r: sqlite3.Row) -> JobRow:
+        return cls(
+            id=r["id"],
+            state=r["state"],
+            spec=json.loads(r["spec"]),
+            idem_key=r["idem_key"],
+            idem_hash=r["idem_hash"],
+            created_at=r["created_at"],
+            started_at=r["started_at"],
+            finished_at=r["finished_at"],
+            progress=json.loads(r["progress"] or "{}"),
+            error=r["error"],
+            attempts=r["attempts"],
+            cancel_requested=bool(r["cancel_requested"]),
+        )
+
+
+class JobStore:
+    """Thread-safe access to the jobs table."""
+
+    def __init__(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def create(
+        self, spec: dict[str, Any], idem_key: str | None, idem_hash: str | None, max_queued: int
+    ) -> tuple[JobRow, bool]:
+        """Insert a queued job; with an idempotency key already used, return that job.
+
+        Returns (job, created). Raises QueueFull when ``max_queued`` jobs are queued.
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if idem_key is not None:
+                    row = self._db.execute(
+                        "SELECT * FROM jobs WHERE idem_key=?", (idem_key,)
+                    ).fetchone()
+                    if row is not None:
+                        self._db.execute("COMMIT")
+                        return JobRow.from_row(row), False
+                (queued,) = self._db.execute(
+                    "SELECT COUNT(*) FROM jobs WHERE state='queued'"
+                ).fetchone()
+                if queued >= max_queued:
+                    raise QueueFull(f"{queued} jobs are queued (limit {max_queued})")
+                job_id = uuid.uuid4().hex[:16]
+                self._db.execute(
+                    "INSERT INTO jobs (id, state, spec, idem_key, idem_hash, created_at) "
+                    "VALUES (?, 'queued', ?, ?, ?, ?)",
+                    (job_id, json.dumps(spec), idem_key, idem_hash, time.time()),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+            return JobRow.from_row(row), True
+
+    def get(self, job_id: str) -> JobRow | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return JobRow.from_row(row) if row else None
+
+    def list(self, state: str | None, limit: int, offset: int) -> tuple[list[JobRow], int]:
+        where, args = ("WHERE state=?", (state,)) if state else ("", ())
+        with self._lock:
+            (total,) = self._db.execute(f"SELECT COUNT(*) FROM jobs {where}", args).fetchone()
+            rows = self._db.execute(
+                f"SELECT * FROM jobs {where} ORDER BY seq DESC LIMIT ? OFFSET ?",
+                (*args, limit, offset),
+            ).fetchall()
+        return [JobRow.from_row(r) for r in rows], total
+
+    def in_state(self, *states: str) -> list[JobRow]:
+        marks = ",".join("?" * len(states))
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY seq", states
+            ).fetchall()
+        return [JobRow.from_row(r) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        return {r[0]: r[1] for r in rows}
+
+    def update(self, job_id: str, **fields: Any) -> None:
+        if "progress" in fields:
+            fields["progress"] = json.dumps(fields["progress"])
+        cols = ", ".join(f"{k}=?" for k in fields)
+        with self._lock:
+            self._db.execute(f"UPDATE jobs SET {cols} WHERE id=?", (*fields.values(), job_id))
+
+    def transition(self, job_id: str, from_states: tuple[str, ...], **fields: Any) -> bool:
+        """Update only if the job is in one of ``from_states``; True when it was."""
+        cols = ", ".join(f"{k}=?" for k in fields)
+        marks = ",".join("?" * len(from_states))
+        with self._lock:
+            cur = self._db.execute(
+                f"UPDATE jobs SET {cols} WHERE id=? AND state IN ({marks})",
+                (*fields.values(), job_id, *from_states),
+            )
+            return cur.rowcount > 0
