@@ -1,1 +1,30 @@
 """reshard_client: the HTTP client and the ``reshard`` command line."""
+
+from reshard_client.client import AsyncReshardClient, ReshardClient
+from reshard_client.errors import (
+    APIError,
+    Conflict,
+    Forbidden,
+    Invalid,
+    NotFound,
+    QueueFull,
+    ReshardClientError,
+    ServerError,
+    TransportError,
+    Unauthorized,
+)
+
+__all__ = [
+    "APIError",
+    "AsyncReshardClient",
+    "Conflict",
+    "Forbidden",
+    "Invalid",
+    "NotFound",
+    "QueueFull",
+    "ReshardClient",
+    "ReshardClientError",
+    "ServerError",
+    "TransportError",
+    "Unauthorized",
+]
