@@ -1,7 +1,63 @@
-"""Shared fixtures and the launcher for real multi-process gloo tests."""
+"""Shared fixtures: a real moto S3 server on 127.0.0.1 (server mode, its own process),
+reset between tests, and an ``s3`` bucket fixture with s3fs configured in-process and
+through the environment (so spawned workers and servers reach it too)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import time
+import uuid
+
+import fsspec
+import fsspec.config
+import httpx
+import pytest
+
+from tests.distributed.harness import free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(url + "/moto-api/", timeout=1)
+            break
+        except httpx.HTTPError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("moto server did not start")
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def s3(moto_server, monkeypatch):
+    """A fresh bucket on the moto server; s3fs configured (in-process and via env)."""
+    httpx.post(moto_server + "/moto-api/reset")
+    opts = {"endpoint_url": moto_server, "key": "testing", "secret": "testing"}
+    monkeypatch.setenv("FSSPEC_S3", json.dumps(opts))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setitem(fsspec.config.conf, "s3", dict(opts))
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    bucket = f"ckpt-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    fsspec.filesystem("s3", **opts).invalidate_cache()
+    yield f"s3://{bucket}"

@@ -1,0 +1,134 @@
+"""A real reshard-server (uvicorn) on a free loopback port, in its own process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import reshard_svc
+from reshard_client import ReshardClient
+from reshard_server.launcher import job_pids
+from tests.distributed.harness import free_port
+
+TOKEN = "test-token-123"
+
+
+class Server:
+    """One server process; ``kill9`` + ``start`` simulates a crash and restart."""
+
+    def __init__(self, base: Path, roots: list[str], **settings: str) -> None:
+        self.base = base
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "RESHARD_TOKEN": TOKEN,
+            "RESHARD_ROOTS": ",".join(roots),
+            "RESHARD_DB": str(base / "jobs.db"),
+            "RESHARD_DATA_DIR": str(base / "server-data"),
+            "RESHARD_POLL_INTERVAL_S": "0.1",
+            "RESHARD_CANCEL_GRACE_S": "3",
+            **{f"RESHARD_{k.upper()}": v for k, v in settings.items()},
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        log = open(self.base / f"server-{self.port}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "reshard_server.main",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+            ],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start; see {log.name}")
+            time.sleep(0.1)
+
+    def client(self, token: str | None = TOKEN) -> ReshardClient:
+        return ReshardClient(self.url, token)
+
+    def kill9(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture
+def make_server(tmp_path):
+    servers: list[Server] = []
+
+    def make(roots: list[str] | None = None, **settings: str) -> Server:
+        s = Server(tmp_path, roots or [str(tmp_path / "data")], **settings)
+        servers.append(s)
+        return s.start()
+
+    (tmp_path / "data").mkdir()
+    yield make
+    for s in servers:
+        s.stop()
+    db = tmp_path / "jobs.db"
+    if db.exists():  # leave no worker behind, whatever the test did
+        import sqlite3
+
+        for (job_id,) in sqlite3.connect(db).execute("SELECT id FROM jobs"):
+            for pid in job_pids(job_id):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def server(make_server):
+    return make_server()
+
+
+def tensors(seed: int = 0, rows: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(rows, 32, generator=g),
+        "o": torch.randn(32, rows, generator=g).to(torch.bfloat16),
+        "b": torch.randn(32, generator=g),
+    }
+
+
+def make_tp4(uri: str, scratch: str, sd: dict[str, torch.Tensor]) -> None:
+    """A TP=4 checkpoint at ``uri`` holding ``sd``."""
+    reshard_svc.save(sd, scratch)
+    reshard_svc.convert(scratch, uri, mesh="tp=4", rules={"w": "S(0)", "o": "S(1)", "b": "R"})
+
+
+def assert_holds(uri: str, sd: dict[str, torch.Tensor]) -> None:
+    assert reshard_svc.verify(uri).ok
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reshard_svc.load(out, uri)
+    for k in sd:
+        assert torch.equal(out[k], sd[k]), k
