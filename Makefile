@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(PY) -m reshard_svc.demo
+	$(PY) -m reshard_client.demo
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check reshard_svc server client tests bench
