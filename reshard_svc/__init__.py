@@ -23,11 +23,13 @@ from reshard_svc.errors import (  # noqa: E402
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.inspection import VerifyReport, inspect, verify
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
+from reshard_svc.runtime.async_save import AsyncSaver, async_save
 from reshard_svc.runtime.convert import ConvertResult, convert
 from reshard_svc.runtime.load import LoadStats, load
 from reshard_svc.runtime.save import save
 
 __all__ = [
+    "AsyncSaver",
     "Box",
     "CheckpointError",
     "CheckpointIndex",
@@ -52,6 +54,7 @@ __all__ = [
     "VerifyReport",
     "WriteItem",
     "__version__",
+    "async_save",
     "convert",
     "inspect",
     "load",

@@ -20,7 +20,7 @@ from reshard_svc.index import CheckpointIndex
 from reshard_svc.read_plan import Part, plan_reads
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
-from reshard_svc.runtime.targets import Placed, describe
+from reshard_svc.runtime.targets import Placed, describe, gather_holders
 from reshard_svc.sources import open_checkpoint
 from reshard_svc.state_dict import flatten, unflatten
 from reshard_svc.storage import FsspecStorage, open_storage
@@ -112,6 +112,7 @@ def load(
             leaves[name].parent[leaves[name].key] = index.extras[name]
 
     comm.run_everywhere(f"load({uri!r}): matching keys", prepare)
+    gather_holders(placed, comm)
     plan = plan_reads(index, {n: p.boxes for n, p in placed.items()}, comm.world, max_memory)
     box_index = [(t.tensor, t.box) for t in plan.targets]
 

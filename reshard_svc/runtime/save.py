@@ -16,6 +16,7 @@ import json
 import logging
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +26,12 @@ from reshard_svc.errors import CheckpointError, StateDictError
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.targets import Placed, describe
-from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
+from reshard_svc.runtime.targets import Placed, describe, gather_holders
+from reshard_svc.save_plan import FileSpec, SavePlan, TensorPlacement, plan_save
 from reshard_svc.state_dict import flatten
 from reshard_svc.storage import FsspecStorage, HashingWriter, open_storage
 
-__all__ = ["box_bands", "save"]
+__all__ = ["PreparedSave", "box_bands", "prepare_save", "save", "write_and_commit"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +70,24 @@ def _write_file(
     return [spec.name, w.size, w.hexdigest()]
 
 
-def save(
-    state_dict: Mapping[str, Any],
-    uri: str,
-    *,
-    process_group: Any = None,
-    storage_options: Mapping[str, Any] | None = None,
-) -> CheckpointIndex:
-    """Save a (nested) state dict of DTensors, Tensors, ShardedTensors and JSON values.
+@dataclass
+class PreparedSave:
+    """A save after the ranks agreed on it: what to write where, before any data moves."""
 
-    Called by every rank of ``process_group`` (default: the whole job; without an
-    initialised process group, a single process). Returns the committed index.
-    """
-    comm = Comm(process_group)
-    storage = open_storage(uri, storage_options)
+    uri: str
+    storage: FsspecStorage
+    staging: FsspecStorage
+    placed: dict[str, Placed]
+    extras: dict[str, Any]
+    plan: SavePlan
 
-    def prepare() -> dict[str, Any]:
+
+def prepare_save(
+    state_dict: Mapping[str, Any], uri: str, comm: Comm, storage: FsspecStorage
+) -> PreparedSave:
+    """Every rank: describe the state dict, agree on it and on a token, plan the files."""
+
+    def describe_all() -> dict[str, Any]:
         leaves = flatten(state_dict)
         placed: dict[str, Placed] = {}
         extras: dict[str, Any] = {}
@@ -102,15 +105,15 @@ def save(
         return {"digest": hashlib.sha256(sig.encode()).hexdigest(), "token": uuid.uuid4().hex}
 
     state: dict[str, Any] = {}
-    _, infos = comm.run_everywhere("save: describing the state dict", prepare)
-    digests = {i["digest"] for i in infos}
-    if len(digests) != 1:
+    _, infos = comm.run_everywhere("save: describing the state dict", describe_all)
+    if len({i["digest"] for i in infos}) != 1:
         raise StateDictError(
             "ranks passed different state dicts to save (keys, shapes, dtypes or layouts "
             "differ); every rank must save the same keys"
         )
     token = infos[0]["token"]
     placed: dict[str, Placed] = state["placed"]
+    gather_holders(placed, comm)
     staging = storage.staging(token)
     plan = plan_save(
         [
@@ -121,6 +124,12 @@ def save(
         token=token,
         file_suffix=staging.file_suffix,
     )
+    return PreparedSave(uri, storage, staging, placed, dict(state["extras"]), plan)
+
+
+def write_and_commit(prep: PreparedSave, comm: Comm) -> CheckpointIndex:
+    """Every rank: write the files the plan gives it; rank 0 commits the index last."""
+    storage, staging, placed, plan = prep.storage, prep.staging, prep.placed, prep.plan
 
     def write() -> list[Any]:
         with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
@@ -141,7 +150,7 @@ def save(
             for p in placed.values()
         },
         files=files,
-        extras=dict(state["extras"]),
+        extras=prep.extras,
         created_by=f"reshard_svc {__version__}",
     )
 
@@ -158,10 +167,27 @@ def save(
         for name in previous - set(files):
             if staging.file_suffix:  # object stores: drop the replaced checkpoint's files
                 storage.remove(name)
-        logger.info("committed %s: %d tensors, %d files", uri, len(index.tensors), len(files))
+        logger.info("committed %s: %d tensors, %d files", prep.uri, len(index.tensors), len(files))
 
     comm.run_everywhere("save: commit", commit)
     return index
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    uri: str,
+    *,
+    process_group: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointIndex:
+    """Save a (nested) state dict of DTensors, Tensors, ShardedTensors and JSON values.
+
+    Called by every rank of ``process_group`` (default: the whole job; without an
+    initialised process group, a single process). Returns the committed index.
+    """
+    comm = Comm(process_group)
+    prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options))
+    return write_and_commit(prep, comm)
 
 
 def _committed_files(storage: FsspecStorage) -> set[str]:
