@@ -17,7 +17,11 @@ def test_no_input_causes_a_server_error(server):
 
         @given(case=op.as_strategy())
         @settings(
-            max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+            max_examples=60,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
         )
         def check(case):
             case.call_and_validate(

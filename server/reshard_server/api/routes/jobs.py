@@ -108,7 +108,7 @@ def list_jobs(
     store: StoreDep,
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> JobList:
     rows, total = store.list(state.value if state else None, limit, offset)
     return JobList(items=[to_public(r) for r in rows], total=total, limit=limit, offset=offset)
@@ -132,7 +132,7 @@ def job_logs(
     store: StoreDep,
     manager: ManagerDep,
     job_id: str,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     tail: Annotated[int | None, Query(ge=1, le=100_000, description="last N lines")] = None,
 ) -> JobLogs:
     _job_or_404(store, job_id)
