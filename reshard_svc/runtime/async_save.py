@@ -1,14 +1,19 @@
-"""``async_save``: stage the state, return a future, write and commit in the background.
+"""``async_save``: snapshot the state, return a future, write and commit in the background.
 
 Order of events, on every rank:
 
 1. wait for this rank's previous save if ``max_in_flight`` are already running;
 2. agree on the state dict and plan the files (small collectives on a dedicated gloo
    group, so the background thread never shares a process group with training);
-3. copy only the boxes this rank will write into staging buffers (pinned host memory for
-   CUDA tensors; buffers are reused from one save to the next) — this is the blocking part;
-4. return a :class:`~concurrent.futures.Future`; a background thread writes the files and
-   rank 0 commits the index last. Errors surface from ``future.result()``.
+3. snapshot the boxes this rank will write — the blocking part:
+
+   * CPU tensors (Linux): ``fork()`` a writer process. Its copy-on-write view of memory
+     *is* the snapshot; pages are copied only where training later writes. The writer
+     touches no process group and runs no torch kernels (contiguous views only);
+   * CUDA tensors, non-contiguous views, or ``RESHARD_ASYNC_FORK=0``: copy into staging
+     buffers (pinned host memory for CUDA), reused from one save to the next;
+4. return a :class:`~concurrent.futures.Future`; a background thread collects the files'
+   checksums and rank 0 commits the index last. Errors surface from ``future.result()``.
 
 After ``async_save`` returns, training may change its tensors freely: the checkpoint holds
 the values at call time.
@@ -16,20 +21,23 @@ the values at call time.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from reshard_svc.errors import CheckpointError
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.layout import Box
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.save import prepare_save, write_and_commit
+from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commit, write_files
 from reshard_svc.storage import open_storage
 
 __all__ = ["AsyncSaver", "async_save"]
@@ -71,16 +79,34 @@ class AsyncSaver:
                 logger.debug("previous async save failed", exc_info=True)
         comm = Comm(self._group)
         prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options))
-        reuse = self.max_in_flight == 1  # buffers are free: the previous save is done
         mine = {(name, box) for spec in prep.plan.files_of(comm.rank) for name, box in spec.entries}
-        staged_bufs: dict[tuple[str, Box], torch.Tensor] = {}
+        for name, placed in prep.placed.items():
+            for box in [b for b in placed.local if (name, b) not in mine]:
+                del placed.local[box]  # another rank writes it; nothing to keep
+        use_fork = (
+            hasattr(os, "fork")
+            and os.environ.get("RESHARD_ASYNC_FORK", "1") != "0"
+            and all(v.device.type == "cpu" for p in prep.placed.values() for v in p.local.values())
+        )
+        self._stage(prep, contiguous_only=use_fork)
+        if use_fork:
+            written = self._fork_writer(prep, comm.rank)
+            future = self._pool.submit(write_and_commit, prep, comm, written)
+        else:
+            future = self._pool.submit(write_and_commit, prep, comm)
+        self._inflight.append(future)
+        return future
+
+    def _stage(self, prep: PreparedSave, contiguous_only: bool) -> None:
+        """Copy views into staging buffers (all of them, or only the non-contiguous ones
+        when a forked writer will read the rest straight from copy-on-write memory)."""
+        reuse = self.max_in_flight == 1  # buffers are free: the previous save is done
+        staged: dict[tuple[str, Box], torch.Tensor] = {}
         with torch.no_grad():
             for name, placed in prep.placed.items():
-                for box in list(placed.local):
-                    if (name, box) not in mine:
-                        del placed.local[box]  # another rank writes it; nothing to keep
+                for box, view in list(placed.local.items()):
+                    if contiguous_only and view.is_contiguous():
                         continue
-                    view = placed.local[box]
                     buf = self._buffers.get((name, box)) if reuse else None
                     if buf is None or buf.shape != view.shape or buf.dtype != view.dtype:
                         buf = torch.empty(
@@ -88,14 +114,51 @@ class AsyncSaver:
                         )
                     buf.copy_(view, non_blocking=view.device.type == "cuda")
                     placed.local[box] = buf
-                    staged_bufs[(name, box)] = buf
-            if torch.cuda.is_available():
+                    staged[(name, box)] = buf
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
         if reuse:
-            self._buffers = staged_bufs
-        future = self._pool.submit(write_and_commit, prep, comm)
-        self._inflight.append(future)
-        return future
+            self._buffers = staged
+
+    def _fork_writer(self, prep: PreparedSave, rank: int) -> Callable[[], list[Any]]:
+        """Fork a process that writes this rank's files from the copy-on-write snapshot.
+
+        Returns a function (run by the background thread) that waits for the writer and
+        yields its [[name, size, sha256], ...] or raises its error.
+        """
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the writer: no process group, no torch kernels, no return
+            code = 0
+            try:
+                os.close(read_fd)
+                storage = open_storage(prep.uri, prep.storage.storage_options)  # fresh fs
+                staging = storage.staging(prep.token)
+                payload = {"ok": write_files(prep, rank, staging)}
+            except BaseException as e:  # reported to the parent, which raises it
+                payload = {"error": f"{type(e).__name__}: {e}"}
+                code = 1
+            data = json.dumps(payload).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(write_fd, view) :]
+            os._exit(code)
+        os.close(write_fd)
+
+        def collect() -> list[Any]:
+            chunks = []
+            with os.fdopen(read_fd, "rb") as f:
+                while block := f.read(1 << 16):
+                    chunks.append(block)
+            _, status = os.waitpid(pid, 0)
+            if not chunks:
+                raise CheckpointError(f"async save writer (pid {pid}) died: status {status}")
+            result = json.loads(b"".join(chunks))
+            if "error" in result:
+                raise CheckpointError(f"async save writer failed: {result['error']}")
+            return result["ok"]  # type: ignore[no-any-return]
+
+        return collect
 
     def wait(self) -> None:
         """Block until every save this saver started has finished (errors re-raised)."""

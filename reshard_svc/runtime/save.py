@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,14 @@ from reshard_svc.save_plan import FileSpec, SavePlan, TensorPlacement, plan_save
 from reshard_svc.state_dict import flatten
 from reshard_svc.storage import FsspecStorage, HashingWriter, open_storage
 
-__all__ = ["PreparedSave", "box_bands", "prepare_save", "save", "write_and_commit"]
+__all__ = [
+    "PreparedSave",
+    "box_bands",
+    "prepare_save",
+    "save",
+    "write_and_commit",
+    "write_files",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,7 @@ class PreparedSave:
     placed: dict[str, Placed]
     extras: dict[str, Any]
     plan: SavePlan
+    token: str
 
 
 def prepare_save(
@@ -124,19 +132,25 @@ def prepare_save(
         token=token,
         file_suffix=staging.file_suffix,
     )
-    return PreparedSave(uri, storage, staging, placed, dict(state["extras"]), plan)
+    return PreparedSave(uri, storage, staging, placed, dict(state["extras"]), plan, token)
 
 
-def write_and_commit(prep: PreparedSave, comm: Comm) -> CheckpointIndex:
-    """Every rank: write the files the plan gives it; rank 0 commits the index last."""
+def write_files(prep: PreparedSave, rank: int, staging: FsspecStorage | None = None) -> list[Any]:
+    """This rank's share of the data files (no collectives): [[name, size, sha256], ...]."""
+    staging = staging or prep.staging
+    with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
+        return [
+            _write_file(staging, spec, prep.placed, background) for spec in prep.plan.files_of(rank)
+        ]
+
+
+def write_and_commit(
+    prep: PreparedSave, comm: Comm, written_here: Callable[[], list[Any]] | None = None
+) -> CheckpointIndex:
+    """Every rank: write the files the plan gives it (or take ``written_here()``, e.g. from
+    a forked writer); rank 0 commits the index last."""
     storage, staging, placed, plan = prep.storage, prep.staging, prep.placed, prep.plan
-
-    def write() -> list[Any]:
-        with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
-            return [
-                _write_file(staging, spec, placed, background) for spec in plan.files_of(comm.rank)
-            ]
-
+    write = written_here or (lambda: write_files(prep, comm.rank))
     try:
         _, written = comm.run_everywhere("save: writing data files", write)
     except Exception:
