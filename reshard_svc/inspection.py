@@ -82,7 +82,7 @@ def verify(
         report.problems.append(f"{type(e).__name__}: {e}")
         return report
     report.tensors = len(index.tensors)
-    by_file: dict[str, list[tuple[str, Any]]] = {}
+    by_file: dict[str, list[tuple[Any, Any]]] = {}
     for t in index.tensors.values():
         for c in t.chunks:
             by_file.setdefault(c.file, []).append((t, c))

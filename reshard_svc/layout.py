@@ -182,7 +182,9 @@ def parse_placement(text: str) -> Placement:
 
 
 def _split_top_level(text: str) -> list[str]:
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "(":
             depth += 1
@@ -591,7 +593,7 @@ def _shards(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[Box, ...], ..
         [i for i, p in enumerate(placements) if not isinstance(p, Replicate) and p.dim == d]
         for d in range(ndim)
     ]
-    result = []
+    result: list[tuple[Box, ...]] = []
     for rank in range(mesh.size):
         coord = mesh.coordinate(rank)
         dim_runs: list[list[Run]] = []

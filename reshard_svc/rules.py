@@ -54,7 +54,7 @@ def load_rules(rules: str | Mapping[str, Any] | None) -> list[tuple[str, Any]]:
                 raise LayoutError(f"--rules file {rules!r} is neither JSON nor YAML: {e}") from e
         rules = data
     if isinstance(rules, list):
-        pairs = []
+        pairs: list[tuple[str, Any]] = []
         for item in rules:
             if not isinstance(item, Mapping) or len(item) != 1:
                 raise LayoutError("rules list items must be single {glob: placements} maps")

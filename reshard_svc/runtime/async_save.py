@@ -134,7 +134,7 @@ class AsyncSaver:
                 os.close(read_fd)
                 storage = open_storage(prep.uri, prep.storage.storage_options)  # fresh fs
                 staging = storage.staging(prep.token)
-                payload = {"ok": write_files(prep, rank, staging)}
+                payload: dict[str, Any] = {"ok": write_files(prep, rank, staging)}
             except BaseException as e:  # reported to the parent, which raises it
                 payload = {"error": f"{type(e).__name__}: {e}"}
                 code = 1

@@ -47,7 +47,8 @@ def tensor_runs(view: torch.Tensor) -> list[Any] | None:
         # The common case (rows of a wider tensor): numpy strides, C-speed iteration.
         n, step = shape[0], strides[0] * esz
         span = (n - 1) * step + run_bytes
-        flat = np.frombuffer((ctypes.c_char * span).from_address(base), dtype=np.uint8)
+        raw = (ctypes.c_char * span).from_address(base)
+        flat = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
         rows = np.lib.stride_tricks.as_strided(flat, (n, run_bytes), (step, 1), writeable=True)
         return list(rows)  # type: ignore[arg-type]
     offsets = [0]
@@ -65,7 +66,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class BackgroundWriter:

@@ -144,10 +144,10 @@ def plan_hf(
             [(n, dtypes[n], index.tensors[n].shape) for n in names], {"format": "pt"}
         )
         end = len(header)
-        for n in names:
-            b, e = ranges[n]
-            shape = index.tensors[n].shape
-            chunks[n] = (
+        for name in names:
+            b, e = ranges[name]
+            shape = index.tensors[name].shape
+            chunks[name] = (
                 (Chunk(Box((0,) * len(shape), shape), fname, b, e),) if math.prod(shape) else ()
             )
             end = max(end, e)
@@ -242,7 +242,7 @@ def convert(
         meta = index.tensors[name]
         step = row_step(meta.shape, meta.itemsize, band_limit(budget))
         osz = itemsize(dtypes[name])
-        bands = []
+        bands: list[tuple[Box, tuple[int, ...]]] = []
         for c in chunks:
             row = math.prod(c.box.sizes[1:]) * osz if c.box.ndim else 0
             for band in split_rows(c.box, step):

@@ -8,6 +8,7 @@ both sides; each part starts 8-byte aligned so it can be viewed as any dtype in 
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -63,7 +64,7 @@ def read_bands(storage: FsspecStorage, ranges: list[tuple[str, int, int]]) -> li
         out = []
         for name, start, end in ranges:
             buf = torch.empty(end - start, dtype=torch.uint8)
-            storage.read_into(name, start, memoryview(buf.numpy()))
+            storage.read_into(name, start, memoryview(buf.numpy()))  # type: ignore[arg-type]
             out.append(buf)
         return out
     with warnings.catch_warnings():
@@ -153,7 +154,7 @@ def execute(
         direct.clear()
         views, _ = comm.run_everywhere(
             f"reading wave {i + 1}/{len(plan.waves)}",
-            lambda mine=mine, parts_of=parts_of: read_or_fail(mine, parts_of),
+            functools.partial(read_or_fail, mine, parts_of),
         )
         bytes_read += sum(r.nbytes for r in mine)
         bands = {r.id: v for r, v in zip(mine, views)}
