@@ -42,6 +42,9 @@ def worker(args: argparse.Namespace) -> None:
         sd = common.build(args.size, op, fill=False)
         if system == "ours":
             res = common.timed(lambda: reshard_svc.load(sd, path))
+        elif system == "ours-direct":
+            path = os.path.join(args.dir, "ours")
+            res = common.timed(lambda: reshard_svc.load(sd, path, strategy="direct"))
         else:
             res = common.timed(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)))
     res["rank"] = dist.get_rank()
@@ -56,7 +59,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm/reshard-bench")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
-    ap.add_argument("--system", choices=["ours", "dcp"], help=argparse.SUPPRESS)
+    ap.add_argument("--system", choices=["ours", "ours-direct", "dcp"], help=argparse.SUPPRESS)
     ap.add_argument("--op", choices=["save", "tp", "rep"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -72,7 +75,8 @@ def main() -> None:
             for system in ("ours", "dcp"):
                 shutil.rmtree(os.path.join(args.dir, system), ignore_errors=True)
             for op, n in ops:
-                for system in ("ours", "dcp"):  # interleaved, same conditions
+                systems = ("ours", "dcp") if op == "save" else ("ours", "ours-direct", "dcp")
+                for system in systems:  # interleaved, same conditions
                     per_rank = common.launch(
                         n,
                         __file__,
@@ -91,7 +95,12 @@ def main() -> None:
     for op, _ in ops:
         ours = common.summarize(runs[("ours", op)], model)
         dcp = common.summarize(runs[("dcp", op)], model)
-        for system, s in (("ours", ours), ("dcp", dcp)):
+        rows = [("ours", ours), ("dcp", dcp)]
+        if ("ours-direct", op) in runs:
+            direct = common.summarize(runs[("ours-direct", op)], model)
+            rows.insert(1, ("ours-direct", direct))
+            summary[f"{op}_direct_wall_ratio_over_dcp"] = round(direct["wall_s"] / dcp["wall_s"], 2)
+        for system, s in rows:
             print(json.dumps({"bench": "save_load", "op": names[op], "system": system, **s}))
         summary[f"{op}_wall_ratio_ours_over_dcp"] = round(ours["wall_s"] / dcp["wall_s"], 2)
         summary[f"{op}_rss_ratio_ours_over_dcp"] = round(

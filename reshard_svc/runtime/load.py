@@ -66,12 +66,17 @@ def load(
     max_memory: int = DEFAULT_MAX_MEMORY,
     storage_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
+    strategy: str = "exchange",
 ) -> LoadStats:
     """Load a checkpoint into ``state_dict`` in place, whatever the layouts on either side.
 
     ``strict`` (default) raises :class:`StateDictError` on keys missing from the checkpoint
     or present in it but not in ``state_dict``; ``strict=False`` loads the intersection.
     Non-tensor entries are replaced by the stored JSON values.
+
+    ``strategy="exchange"`` (default) reads each needed stored byte once and moves the
+    rest over the process group; ``"direct"`` lets every rank read what it needs itself
+    (faster on a local page cache for replicated targets, more storage traffic).
     """
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)
@@ -113,7 +118,9 @@ def load(
 
     comm.run_everywhere(f"load({uri!r}): matching keys", prepare)
     gather_holders(placed, comm)
-    plan = plan_reads(index, {n: p.boxes for n, p in placed.items()}, comm.world, max_memory)
+    plan = plan_reads(
+        index, {n: p.boxes for n, p in placed.items()}, comm.world, max_memory, strategy=strategy
+    )
     box_index = [(t.tensor, t.box) for t in plan.targets]
 
     @torch.no_grad()

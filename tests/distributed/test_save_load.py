@@ -38,6 +38,10 @@ def test_save_tp4_load_into_other_layouts_and_world_sizes(tmp_path):
     res2 = run(workloads.load_only, 2, path, [2])
     assert all(r["bad"] == [] for r in res2.values())
     assert sum(r["bytes_read"] for r in res2.values()) == res2[0]["bytes_total"]
+    # strategy="direct": every rank reads what it needs itself; same values.
+    res3 = run(workloads.load_direct, 2, path, [2])
+    assert all(r["bad"] == [] for r in res3.values())
+    assert sum(r["bytes_read"] for r in res3.values()) >= res3[0]["bytes_total"]
 
 
 def test_save_2d_mesh_load_on_two_ranks(tmp_path):

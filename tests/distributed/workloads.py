@@ -277,3 +277,11 @@ def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def load_direct(path: str, mesh) -> dict:
+    import reshard_svc
+
+    target = build_state_dict(tuple(mesh), 1, fill=False)
+    stats = reshard_svc.load(target, path, strategy="direct")
+    return {"bad": mismatches(target), "bytes_read": stats.bytes_read, "bytes_total": stats.bytes_total}
