@@ -44,6 +44,10 @@ __all__ = [
 ]
 
 
+#: Largest world a mesh may span (beyond any real job; keeps hostile metadata bounded).
+MAX_MESH_SIZE = 1 << 20
+
+
 @dataclass(frozen=True, order=True)
 class Box:
     """A hyper-rectangle of a global tensor: ``offsets`` and ``sizes`` per dim."""
@@ -240,6 +244,10 @@ class Mesh:
                     f"mesh dim {i} has size {s!r}: every mesh size must be a positive int"
                 )
         object.__setattr__(self, "shape", shape)
+        if math.prod(shape) > MAX_MESH_SIZE:
+            raise LayoutError(
+                f"mesh {shape} spans {math.prod(shape)} ranks; at most {MAX_MESH_SIZE} are supported"
+            )
         if self.names is not None:
             names = tuple(self.names)
             if len(names) != len(shape):

@@ -325,7 +325,7 @@ def convert(
         try:
             result_index.check()
             if format == "hf":
-                weight_map = {n: c[0].file for n, c in out.chunks.items() if c}
+                weight_map = {n: spec.name for spec in out.files for n, _ in spec.entries}
                 total = sum(m.nbytes for m in result_index.tensors.values())
                 staging.write(
                     HF_INDEX,

@@ -27,6 +27,7 @@ from reshard_svc.index import INDEX_NAME, CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
+from reshard_svc.safetensors_io import st_code
 from reshard_svc.save_plan import FileSpec, SavePlan, TensorPlacement, plan_save
 from reshard_svc.state_dict import flatten
 from reshard_svc.storage import FsspecStorage, HashingWriter, open_storage
@@ -104,6 +105,13 @@ def prepare_save(
                 extras[name] = leaf.value
             else:
                 placed[name] = describe(leaf, comm)
+                try:
+                    st_code(placed[name].dtype)
+                except CheckpointError:
+                    raise StateDictError(
+                        f"{name!r} has dtype {placed[name].dtype}, which safetensors cannot "
+                        "store; cast it (e.g. to float32) before saving"
+                    ) from None
         sig = json.dumps(
             [p.signature() for p in placed.values()] + [sorted(extras)], sort_keys=True
         )

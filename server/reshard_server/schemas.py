@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from enum import Enum
@@ -67,6 +68,10 @@ class JobCreate(BaseModel):
             for name in v:
                 if not _MESH_NAME.match(name):
                     raise ValueError(f"mesh dim name {name!r} must be an identifier")
+            from reshard_svc.layout import MAX_MESH_SIZE
+
+            if math.prod(v.values()) > MAX_MESH_SIZE:
+                raise ValueError(f"mesh spans more than {MAX_MESH_SIZE} ranks")
         return v
 
     @field_validator("rules")

@@ -284,4 +284,8 @@ def load_direct(path: str, mesh) -> dict:
 
     target = build_state_dict(tuple(mesh), 1, fill=False)
     stats = reshard_svc.load(target, path, strategy="direct")
-    return {"bad": mismatches(target), "bytes_read": stats.bytes_read, "bytes_total": stats.bytes_total}
+    return {
+        "bad": mismatches(target),
+        "bytes_read": stats.bytes_read,
+        "bytes_total": stats.bytes_total,
+    }

@@ -68,6 +68,7 @@ def test_paths_outside_roots_are_refused(server, tmp_path):
         ({"workers": 0}, "workers"),
         ({"mesh": {"tp": 0}}, "mesh"),
         ({"mesh": {"t p": 2}}, "mesh"),
+        ({"mesh": {"a": 2048, "b": 2048}}, "mesh"),
         ({"format": "zip"}, "format"),
         ({"dtype": "int3"}, "dtype"),
         ({"rules": {"*": "Q(0)"}}, "rules"),

@@ -283,3 +283,35 @@ def test_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="refusing to replace"):
         reshard_svc.save({"a": torch.ones(1)}, str(tmp_path / "precious"))
     assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
+def test_empty_and_zero_size_tensors_round_trip(tmp_path):
+    reshard_svc.save({}, str(tmp_path / "empty"))
+    reshard_svc.load({}, str(tmp_path / "empty"))
+    assert reshard_svc.verify(str(tmp_path / "empty")).ok
+    sd = {"z": torch.zeros(0, 4), "w": torch.arange(3.0)}
+    reshard_svc.save(sd, str(tmp_path / "z"))
+    out = {"z": torch.zeros(0, 4), "w": torch.zeros(3)}
+    reshard_svc.load(out, str(tmp_path / "z"))
+    assert torch.equal(out["w"], sd["w"])
+    reshard_svc.convert(str(tmp_path / "z"), str(tmp_path / "hf"), format="hf")
+    weight_map = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())[
+        "weight_map"
+    ]
+    assert set(weight_map) == {"z", "w"}
+
+
+def test_unstorable_dtype_names_the_key(tmp_path):
+    with pytest.raises(StateDictError, match="'c' has dtype torch.complex128"):
+        reshard_svc.save({"c": torch.zeros(2, dtype=torch.complex128)}, str(tmp_path / "c"))
+
+
+def test_hostile_layout_in_index_is_bounded(ckpt):
+    edit_index(
+        ckpt,
+        lambda d: d["tensors"]["a"].update(
+            layout={"mesh": {"shape": [4096, 4096]}, "placements": ["R", "R"]}
+        ),
+    )
+    with pytest.raises(CorruptCheckpointError, match="at most"):
+        reshard_svc.inspect(ckpt)
