@@ -67,9 +67,9 @@ def placements_for(name: str, mesh_ndim: int, variant: int) -> list[str]:
     }
     menu = menu_1d if mesh_ndim == 1 else menu_2d
     key = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
-    from reshard_svc.layout import _split_top_level
+    from reshard_svc.placements import split_top_level
 
-    return _split_top_level(menu[variant][key])
+    return split_top_level(menu[variant][key])
 
 
 def build_state_dict(mesh_shape: tuple[int, ...], variant: int, fill: bool = True) -> dict:
