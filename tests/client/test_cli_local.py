@@ -63,3 +63,18 @@ def test_verify_exit_codes(tmp_path):
 def test_not_a_checkpoint_is_exit_2(tmp_path):
     r = reshard("inspect", str(tmp_path / "missing"))
     assert r.returncode == 2 and "NotACheckpointError" in r.stderr
+
+
+def test_convert_with_workers_and_hf_export(tmp_path):
+    src = make(tmp_path)
+    tp2 = str(tmp_path / "tp2")
+    r = reshard("convert", src, tp2, "--mesh", "tp=2", "--workers", "2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["event"] == "done"
+    assert reshard_svc.inspect(tp2).tensors["w"].layout.mesh.shape == (2,)
+    hf = str(tmp_path / "hf")
+    r = reshard("convert", tp2, hf, "--format", "hf", "--dtype", "fp16", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert reshard_svc.inspect(hf).tensors["w"].dtype == torch.float16
+    r = reshard("convert", src, str(tmp_path / "bad"), "--mesh", "tp=two")
+    assert r.returncode == 2 and "tp=two" in r.stderr
