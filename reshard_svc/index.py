@@ -139,7 +139,7 @@ class CheckpointIndex:
     def loads(cls, raw: bytes, where: str = INDEX_NAME) -> CheckpointIndex:
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e
         return cls.from_json(data, where)
 

@@ -171,7 +171,7 @@ def parse_header(prefix: bytes, file_size: int, name: str) -> ParsedHeader | int
         return 8 + n
     try:
         header = json.loads(prefix[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{name}: header is not valid JSON ({e})") from e
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{name}: header is not a JSON object")

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 #: uncommitted save and must not be mistaken for a foreign checkpoint.
 SAVE_TOKEN_KEY = "RESHARD_SAVE"
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+HF_INDEX = "model.safetensors.index.json"
 _PROBE = 64 * 1024
 
 
@@ -64,7 +65,10 @@ def open_checkpoint(
         return storage, index
     st_files = [n for n in names if n.endswith(".safetensors")]
     if st_files:
-        return storage, _from_safetensors(storage, st_files)
+        index = _from_safetensors(storage, st_files)
+        if HF_INDEX in names:
+            _check_hf_index(storage, index)
+        return storage, index
     if ".metadata" in names:
         from reshard_svc.dcp_pickle import index_from_distcp
 
@@ -73,6 +77,28 @@ def open_checkpoint(
         f"{storage.uri}: no {INDEX_NAME}, safetensors files or DCP .metadata — not a "
         "checkpoint (or a save that never committed)"
     )
+
+
+def _check_hf_index(storage: FsspecStorage, index: CheckpointIndex) -> None:
+    """A Hugging Face ``model.safetensors.index.json`` must agree with the files."""
+    where = f"{storage.uri}/{HF_INDEX}"
+    try:
+        data = json.loads(storage.read(HF_INDEX))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{where} has no weight_map object")
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str):
+            raise CorruptCheckpointError(f"{where}: weight_map[{name!r}] is not a file name")
+        if fname not in index.files:
+            raise MissingFileError(f"{where} maps {name!r} to {fname}, which is missing")
+        meta = index.tensors.get(name)
+        if meta is None or all(c.file != fname for c in meta.chunks):
+            raise InconsistentIndexError(
+                f"{where} maps {name!r} to {fname}, which does not hold it"
+            )
 
 
 def _check_files_present(storage: FsspecStorage, index: CheckpointIndex) -> None:
@@ -104,7 +130,7 @@ def _from_safetensors(storage: FsspecStorage, files: list[str]) -> CheckpointInd
             dcp = True
             try:
                 sharding = json.loads(header.metadata[DCP_SHARDING_INFO])
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:
                 raise CorruptCheckpointError(f"{name}: {DCP_SHARDING_INFO} is not JSON") from e
             if not isinstance(sharding, dict):
                 raise CorruptCheckpointError(f"{name}: {DCP_SHARDING_INFO} is not an object")

@@ -33,6 +33,7 @@ from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.load import open_shared
 from reshard_svc.safetensors_io import dtype_from_name, encode_header, itemsize
 from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
+from reshard_svc.sources import HF_INDEX
 from reshard_svc.storage import FsspecStorage, HashingWriter, LocalStorage, open_storage
 
 __all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
@@ -41,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CONVERT_MEMORY = 1024**3
 DEFAULT_SHARD_SIZE = 5 * 1000**3  # HF's default max_shard_size
-HF_INDEX = "model.safetensors.index.json"
 
 #: Cost model constants (see ``choose_strategy``). Local page-cache reads are far faster
 #: than gloo's ~2-3 GB/s exchange; object stores pay per request and per byte.

@@ -315,3 +315,36 @@ def test_hostile_layout_in_index_is_bounded(ckpt):
     )
     with pytest.raises(CorruptCheckpointError, match="at most"):
         reshard_svc.inspect(ckpt)
+
+
+def test_hf_index_that_disagrees_with_the_files(tmp_path):
+    from safetensors.torch import save_file
+
+    p = tmp_path / "hf"
+    p.mkdir()
+    save_file({"a": torch.ones(2)}, str(p / "model-00001-of-00002.safetensors"))
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        },
+    }
+    (p / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(MissingFileError, match="'b'"):
+        reshard_svc.inspect(str(p))
+    index["weight_map"] = {"a": "model-00001-of-00002.safetensors"}
+    (p / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert set(reshard_svc.inspect(str(p)).tensors) == {"a"}
+
+
+def test_deeply_nested_json_is_a_typed_error(ckpt, tmp_path):
+    open(os.path.join(ckpt, INDEX_NAME), "w").write("[" * 200_000)
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        reshard_svc.inspect(ckpt)
+    p = tmp_path / "deep"
+    p.mkdir()
+    raw = b"[" * 100_000
+    (p / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        reshard_svc.inspect(str(p))
