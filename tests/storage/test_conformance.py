@@ -107,3 +107,9 @@ def test_overwrite_keeps_old_checkpoint_until_new_one_commits(root, monkeypatch)
 def test_missing_folder_is_not_a_checkpoint(root):
     with pytest.raises(NotACheckpointError):
         reshard_svc.inspect(f"{root}/nothing-here")
+
+
+def test_every_backend_satisfies_the_storage_protocol(root):
+    from reshard_svc.storage import Storage
+
+    assert isinstance(open_storage(f"{root}/ck"), Storage)
