@@ -80,7 +80,7 @@ def test_tp4_to_tp2_on_s3_with_client_and_cli(make_server, s3, tmp_path):
 def slow_job(server, tmp_path, name: str = "slow") -> tuple[str, str]:
     """Submit a conversion that runs for several seconds (tiny memory budget)."""
     data = tmp_path / "data"
-    sd = {"w": torch.randn(4096, 2048)}  # 32 MiB
+    sd = {"w": torch.randn(8192, 2048)}  # 64 MiB: several seconds at a 64 KiB budget
     src = str(data / f"{name}-src")
     make_tp4(
         src, str(tmp_path / f"{name}-scratch"), {**sd, "o": torch.zeros(2, 4), "b": torch.zeros(1)}
