@@ -68,12 +68,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(common.SIZES), default="full")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dir", default="/dev/shm/reshard-bench-async")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--results", help=argparse.SUPPRESS)
+    ap = common.bench_parser(__doc__, "/dev/shm/reshard-bench-async")
     ap.add_argument("--system", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -6,6 +6,7 @@ workers time the operation between barriers and append one JSON line to a result
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -21,6 +22,17 @@ SIZES = {
     # A quick smoke run of the same shape family.
     "small": {"layers": 2, "hidden": 256, "ffn": 704, "vocab": 4000},
 }
+
+
+def bench_parser(doc: str, default_dir: str) -> argparse.ArgumentParser:
+    """The options every torchrun-launched bench shares (plus its hidden worker flags)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="full")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dir", default=default_dir, help="scratch folder (tmpfs by default)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--results", help=argparse.SUPPRESS)
+    return ap
 
 
 def llama(size: str) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -102,13 +102,8 @@ def cp_floor(src: str, dst: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(common.SIZES), default="full")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dir", default="/dev/shm/reshard-bench-convert")
+    ap = common.bench_parser(__doc__, "/dev/shm/reshard-bench-convert")
     ap.add_argument("--max-memory", default="1GiB")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--results", help=argparse.SUPPRESS)
     ap.add_argument("--op", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

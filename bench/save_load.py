@@ -1,4 +1,4 @@
-"""Save and load a Llama-shaped bf16 state dict (~2.17 GB) with reshard_svc and torch DCP.
+"""Save and load a Llama-shaped bf16 state dict (~2.7 GB) with reshard_svc and torch DCP.
 
 Same run, interleaved: save at TP=4 on 4 gloo ranks (ours; DCP FileSystemWriter), then
 load each checkpoint into TP=2 and into Replicate on 2 ranks. For each: median wall time
@@ -53,12 +53,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(common.SIZES), default="full")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dir", default="/dev/shm/reshard-bench")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--results", help=argparse.SUPPRESS)
+    ap = common.bench_parser(__doc__, "/dev/shm/reshard-bench")
     ap.add_argument("--system", choices=["ours", "ours-direct", "dcp"], help=argparse.SUPPRESS)
     ap.add_argument("--op", choices=["save", "tp", "rep"], help=argparse.SUPPRESS)
     args = ap.parse_args()
