@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 SIZES = {
-    # The BASELINES.md model: 2.17 GB bf16.
+    # The BASELINES.md model shape (wq/wk/wv all HxH here: 2.73 GB bf16).
     "full": {"layers": 24, "hidden": 2048, "ffn": 5632, "vocab": 32000},
     # A quick smoke run of the same shape family.
     "small": {"layers": 2, "hidden": 256, "ffn": 704, "vocab": 4000},
