@@ -81,10 +81,6 @@ class Box:
     def is_empty(self) -> bool:
         return any(s == 0 for s in self.sizes)
 
-    @property
-    def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
-
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or None when it is empty."""
         offs = []
@@ -180,11 +176,6 @@ class Mesh:
         for c, s in zip(coord, self.shape):
             rank = rank * s + c
         return rank
-
-    def dim_index(self, name: str) -> int:
-        if self.names is None or name not in self.names:
-            raise LayoutError(f"mesh {self} has no dim named {name!r}")
-        return self.names.index(name)
 
     @classmethod
     def parse(cls, text: str) -> Mesh:
@@ -346,9 +337,6 @@ class Layout:
         if not isinstance(placements, (list, str)):
             raise LayoutError(f"layout JSON 'placements' must be a list, got {placements!r}")
         return cls(Mesh.from_json(data["mesh"]), parse_placements(placements))
-
-    def with_mesh(self, mesh: Mesh) -> Layout:
-        return Layout(mesh, self.placements)
 
     # ---- geometry
 
