@@ -3,12 +3,14 @@
 Every error this library raises on purpose derives from :class:`ReshardError`::
 
     ReshardError
+    ├── UsageError (ValueError)           a bad argument or option value (size, dtype, ...)
     ├── LayoutError (ValueError)          bad mesh, placements, shape or rule text
     ├── StateDictError (ValueError)       unsupported values, missing / unexpected keys
     ├── CheckpointError                   the checkpoint on storage is not usable
     │   ├── NotACheckpointError           no committed index at that URI
     │   ├── UnsupportedFormatError        unknown format version
-    │   ├── CorruptCheckpointError        malformed file, bad header, checksum mismatch
+    │   ├── CorruptCheckpointError        malformed file, bad header, bad block table
+    │   │   └── ChecksumError             bytes read fail their CRC32C (file, range, values)
     │   └── InconsistentIndexError        overlapping / missing chunks, shape or dtype mismatch
     ├── UnsafePickleError                 a DCP pickle names a global outside the allow-list
     ├── StorageError (OSError)            the storage backend failed; ``__cause__`` is kept
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "ChecksumError",
     "CorruptCheckpointError",
     "DistributedError",
     "InconsistentIndexError",
@@ -35,11 +38,16 @@ __all__ = [
     "StorageError",
     "UnsafePickleError",
     "UnsupportedFormatError",
+    "UsageError",
 ]
 
 
 class ReshardError(Exception):
     """Base of every error reshard_svc raises on purpose."""
+
+
+class UsageError(ReshardError, ValueError):
+    """An argument or option value the caller must fix (a size, a dtype, a strategy)."""
 
 
 class LayoutError(ReshardError, ValueError):
@@ -64,6 +72,27 @@ class UnsupportedFormatError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """A data file is malformed, truncated, missing, or fails its checksum."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """Bytes read from a data file do not match their recorded CRC32C.
+
+    ``file``, ``begin``/``end`` (the byte range) and ``expected``/``actual`` (hex) say where.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str = "",
+        begin: int = 0,
+        end: int = 0,
+        expected: str = "",
+        actual: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.file, self.begin, self.end = file, begin, end
+        self.expected, self.actual = expected, actual
 
 
 class InconsistentIndexError(CheckpointError):

@@ -1,9 +1,10 @@
-"""``reshard.index.json``: the versioned, human-readable manifest of a checkpoint (format v1).
+"""``reshard.index.json``: the versioned, human-readable manifest of a checkpoint (format v2).
 
 ::
 
     {
-      "format": "reshard", "format_version": 1, "created_by": "reshard_svc 0.1.0",
+      "format": "reshard", "format_version": 2, "created_by": "reshard_svc 0.1.0",
+      "checksum": {"algorithm": "crc32c", "block_size": 4194304},
       "tensors": {
         "model.layers.0.attn.wq.weight": {
           "dtype": "bfloat16", "shape": [4096, 4096],
@@ -12,9 +13,14 @@
                       "file": "shard-00000-000.safetensors", "byte_range": [96, 8388704]}]
         }
       },
-      "files": {"shard-00000-000.safetensors": {"size": 8388704, "sha256": "..."}},
+      "files": {"shard-00000-000.safetensors":
+                  {"size": 8388704, "crc32c": "9a3f01c2", "blocks": "<8 hex digits per block>"}},
       "extras": {"step": 100}
     }
+
+v2 adds the block CRC32C table of every data file (see :mod:`reshard_svc.checksums`);
+``"algorithm": "sha256"`` adds a whole-file sha256 as well, ``"none"`` records no
+checksums. v1 checkpoints (an optional whole-file sha256 only) stay readable.
 
 The index is written last; its presence is the commit. Parsing validates structure and
 raises typed errors; :meth:`CheckpointIndex.check` validates geometry (chunks tile each
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 
 from reshard_svc.boxes import check_tiling
+from reshard_svc.checksums import ALGORITHMS, BlockTable, check_block_size
 from reshard_svc.errors import (
     CorruptCheckpointError,
     InconsistentIndexError,
@@ -53,7 +60,8 @@ __all__ = [
 
 INDEX_NAME = "reshard.index.json"
 FORMAT_NAME = "reshard"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -101,11 +109,30 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class FileMeta:
+    """A data file's size and checksums (``blocks`` is None for v1 or ``checksum="none"``)."""
+
     size: int
     sha256: str | None = None
+    blocks: BlockTable | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "sha256": self.sha256}
+        out: dict[str, Any] = {"size": self.size}
+        if self.blocks is not None:
+            out["crc32c"] = f"{self.blocks.composite:08x}"
+            out["blocks"] = self.blocks.to_hex()
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
+
+    @classmethod
+    def from_written(
+        cls, name: str, size: int, sums: dict[str, Any], block_size: int | None
+    ) -> FileMeta:
+        """From what a writer computed (:meth:`FileChecksummer.result`)."""
+        blocks = None
+        if "blocks" in sums and block_size:
+            blocks = BlockTable.parse(name, size, block_size, sums["blocks"], name)
+        return cls(size, sums.get("sha256"), blocks)
 
 
 @dataclass
@@ -117,16 +144,24 @@ class CheckpointIndex:
     extras: dict[str, Any] = field(default_factory=dict)
     source: str = FORMAT_NAME
     created_by: str = ""
+    #: ``crc32c``, ``sha256`` or ``none``; block tables use ``block_size``.
+    checksum: str = "none"
+    block_size: int | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def block_tables(self) -> dict[str, BlockTable]:
+        """File name -> block CRC table, for every file that has one."""
+        return {n: f.blocks for n, f in self.files.items() if f.blocks is not None}
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "created_by": self.created_by,
+            "checksum": {"algorithm": self.checksum, "block_size": self.block_size},
             "tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)},
             "files": {k: self.files[k].to_json() for k in sorted(self.files)},
             "extras": self.extras,
@@ -152,11 +187,12 @@ class CheckpointIndex:
                 f"{where}: format is {data.get('format')!r}, expected {FORMAT_NAME!r}"
             )
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise UnsupportedFormatError(
                 f"{where}: format_version {version!r} is not supported by this release "
-                f"(reads version {FORMAT_VERSION}); upgrade reshard-svc"
+                f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade reshard-svc"
             )
+        algorithm, block_size = _checksum_settings(data, version, where)
         files_raw = _obj(data, "files", where)
         files: dict[str, FileMeta] = {}
         for name, f in files_raw.items():
@@ -164,18 +200,22 @@ class CheckpointIndex:
             _check_file_name(name, fw)
             if not isinstance(f, dict):
                 raise CorruptCheckpointError(f"{fw} must be an object")
-            size = _int(f.get("size"), f"{fw}.size")
-            sha = f.get("sha256")
-            if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
-                raise CorruptCheckpointError(f"{fw}.sha256 must be 64 hex characters")
-            files[name] = FileMeta(size, sha)
+            files[name] = _file_from_json(name, f, fw, algorithm, block_size)
         tensors: dict[str, TensorMeta] = {}
         for name, t in _obj(data, "tensors", where).items():
             tensors[name] = _tensor_from_json(name, t, where)
         extras = data.get("extras", {})
         if not isinstance(extras, dict):
             raise CorruptCheckpointError(f"{where}: extras must be a JSON object")
-        return cls(tensors, files, extras, FORMAT_NAME, str(data.get("created_by", "")))
+        return cls(
+            tensors,
+            files,
+            extras,
+            FORMAT_NAME,
+            str(data.get("created_by", "")),
+            algorithm,
+            block_size,
+        )
 
     def check(self) -> None:
         """Geometry checks: tiling, byte ranges, file references. Raises on the first problem."""
@@ -216,6 +256,48 @@ class CheckpointIndex:
                     raise InconsistentIndexError(
                         f"{fname}: byte ranges of {n0!r} and {n1!r} overlap"
                     )
+
+
+def _checksum_settings(data: Mapping[str, Any], version: int, where: str) -> tuple[str, int | None]:
+    """(algorithm, block_size) of an index; v1 had whole-file sha256 at most."""
+    if version == 1:
+        return ("sha256" if any(
+            isinstance(f, dict) and f.get("sha256") for f in (data.get("files") or {}).values()
+        ) else "none"), None  # fmt: skip
+    cs = data.get("checksum")
+    if not isinstance(cs, dict):
+        raise CorruptCheckpointError(f"{where}: 'checksum' must be an object")
+    algorithm = cs.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        raise CorruptCheckpointError(
+            f"{where}: checksum.algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}"
+        )
+    if algorithm == "none" or (algorithm == "sha256" and cs.get("block_size") is None):
+        return algorithm, None  # no block table (sha256 only: a v1 checkpoint re-described)
+    return algorithm, check_block_size(cs.get("block_size"), f"{where}: checksum")
+
+
+def _file_from_json(
+    name: str, f: dict[str, Any], fw: str, algorithm: str, block_size: int | None
+) -> FileMeta:
+    size = _int(f.get("size"), f"{fw}.size")
+    sha = f.get("sha256")
+    if sha is not None and not (
+        isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)
+    ):
+        raise CorruptCheckpointError(f"{fw}.sha256 must be 64 lowercase hex characters")
+    if algorithm == "sha256" and block_size is not None and sha is None:
+        raise CorruptCheckpointError(f"{fw} has no sha256, which the index's algorithm requires")
+    if block_size is None:
+        return FileMeta(size, sha)
+    blocks = BlockTable.parse(name, size, block_size, f.get("blocks"), fw)
+    whole = f.get("crc32c")
+    if whole != f"{blocks.composite:08x}":
+        raise CorruptCheckpointError(
+            f"{fw}.crc32c is {whole!r}, but its block table gives {blocks.composite:08x}: "
+            "the block table was altered"
+        )
+    return FileMeta(size, sha, blocks)
 
 
 def _obj(data: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:

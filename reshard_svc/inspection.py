@@ -2,26 +2,29 @@
 
 ``inspect`` reads only metadata. ``verify`` also reads every data file once, end to end:
 coverage and overlaps of each tensor's chunks, byte ranges inside their files, file
-sizes, safetensors headers that agree with the index, and sha256 checksums.
+sizes, safetensors headers that agree with the index, every block's CRC32C (spans of
+blocks checked on parallel threads) and, where recorded, the whole-file sha256.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard_svc.errors import CheckpointError, MissingFileError, StorageError
+from reshard_svc.errors import CheckpointError, ChecksumError, MissingFileError, StorageError
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.sources import open_checkpoint, read_header
 from reshard_svc.storage import FsspecStorage, open_storage
 
 __all__ = ["VerifyReport", "describe_index", "inspect", "verify"]
 
-HASH_BLOCK = 16 * 1024 * 1024
+#: Bytes one verify task reads at a time (a whole number of blocks).
+SPAN = 64 * 1024 * 1024
 
 
 def inspect(uri: str, storage_options: Mapping[str, Any] | None = None) -> CheckpointIndex:
@@ -53,6 +56,8 @@ class VerifyReport:
     files_checked: int = 0
     bytes_hashed: int = 0
     tensors: int = 0
+    #: what the checkpoint records: crc32c, sha256 (crc32c blocks + sha256) or none
+    checksum: str = "none"
 
     @property
     def ok(self) -> bool:
@@ -66,6 +71,7 @@ class VerifyReport:
             "files_checked": self.files_checked,
             "bytes_hashed": self.bytes_hashed,
             "tensors": self.tensors,
+            "checksum": self.checksum,
         }
 
 
@@ -86,77 +92,132 @@ def verify(
         report.problems.append(f"{type(e).__name__}: {e}")
         return report
     report.tensors = len(index.tensors)
+    report.checksum = index.checksum
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for t in index.tensors.values():
         for c in t.chunks:
             by_file.setdefault(c.file, []).append((t, c))
     total = sum(m.size for m in index.files.values())
+    lock = threading.Lock()
+    done = [0]
 
-    def check_one(name: str) -> tuple[list[str], int]:
-        part = VerifyReport(uri)
-        try:
-            _verify_file(storage, name, index.files[name], by_file.get(name, []), part)
-        except MissingFileError:
-            part.problems.append(f"{name}: data file is missing")
-        except (CheckpointError, StorageError) as e:
-            part.problems.append(f"{name}: {e}")
-        return part.problems, part.bytes_hashed
-
-    # Files hash in parallel (hashlib and reads release the GIL); results keep file order.
-    done = 0
-    names = sorted(index.files)
-    with ThreadPoolExecutor(max(1, min(workers, len(names) or 1))) as pool:
-        for name, (problems, hashed) in zip(names, pool.map(check_one, names)):
-            report.problems.extend(problems)
-            report.bytes_hashed += hashed
-            report.files_checked += 1
-            done += index.files[name].size
+    def advance(n: int) -> None:
+        with lock:
+            done[0] += n
             if progress is not None:
-                progress(done, total)
+                progress(done[0], total)
+
+    # Structure first (sizes, headers), then the data: spans of blocks (or whole files
+    # when a sha256 must be computed in order) on a thread pool; CRC32C, sha256 and
+    # reads release the GIL. Problems are reported in file order.
+    names = sorted(index.files)
+    problems: dict[str, list[str]] = {n: [] for n in names}
+    tasks: list[tuple[str, int, int]] = []
+    for name in names:
+        meta = index.files[name]
+        try:
+            ok = _verify_structure(storage, name, meta, by_file.get(name, []), problems[name])
+        except MissingFileError:
+            problems[name].append(f"{name}: data file is missing")
+            ok = False
+        except (CheckpointError, StorageError) as e:
+            problems[name].append(f"{name}: {e}")
+            ok = False
+        report.files_checked += 1
+        if not ok or (meta.blocks is None and meta.sha256 is None):
+            advance(meta.size)
+            continue
+        if meta.sha256 is not None or meta.blocks is None:
+            tasks.append((name, 0, meta.size))
+        else:
+            step = max(meta.blocks.block_size, SPAN - SPAN % meta.blocks.block_size)
+            tasks.extend((name, a, min(meta.size, a + step)) for a in range(0, meta.size, step))
+
+    def check(task: tuple[str, int, int]) -> tuple[str, list[str], int]:
+        name, lo, hi = task
+        found: list[str] = []
+        try:
+            hashed = _check_data(storage, name, index.files[name], lo, hi, found, advance)
+        except (CheckpointError, StorageError) as e:
+            found.append(f"{name}: {e}")
+            hashed = 0
+        return name, found, hashed
+
+    with ThreadPoolExecutor(max(1, min(workers, len(tasks) or 1))) as pool:
+        for name, found, hashed in pool.map(check, tasks):
+            problems[name].extend(found)
+            report.bytes_hashed += hashed
+    for name in names:
+        report.problems.extend(problems[name])
     return report
 
 
-def _verify_file(
-    storage: FsspecStorage,
-    name: str,
-    meta: Any,
-    chunks: list[tuple[Any, Any]],
-    report: VerifyReport,
-) -> None:
+def _verify_structure(
+    storage: FsspecStorage, name: str, meta: Any, chunks: list[tuple[Any, Any]], out: list[str]
+) -> bool:
+    """Size and header checks; False when the data cannot be checked further."""
     size = storage.size(name)
     if size != meta.size:
-        report.problems.append(f"{name}: size is {size} bytes, the index says {meta.size}")
-        return
+        out.append(f"{name}: size is {size} bytes, the index says {meta.size} (truncated?)")
+        return False
     if not name.endswith(".safetensors"):
-        return  # DCP .distcp items: size only (no header, no checksum in the metadata)
+        return True  # DCP .distcp items: size only (no header, no checksum in the metadata)
     header = read_header(storage, name, size)
     for t, c in chunks:
         entry = header.entries.get(t.name)
         if entry is None:
-            report.problems.append(f"{name}: has no tensor {t.name!r} that the index places there")
+            out.append(f"{name}: has no tensor {t.name!r} that the index places there")
             continue
-        if (
-            entry.dtype != t.dtype
-            or entry.shape != c.box.sizes
-            or (entry.begin, entry.end)
-            != (
-                c.begin,
-                c.end,
-            )
+        if (entry.dtype, entry.shape, entry.begin, entry.end) != (
+            t.dtype,
+            c.box.sizes,
+            c.begin,
+            c.end,
         ):
-            report.problems.append(
+            out.append(
                 f"{name}: header of {t.name!r} ({entry.dtype}, {list(entry.shape)}, "
                 f"[{entry.begin}, {entry.end})) disagrees with the index ({t.dtype}, "
                 f"{list(c.box.sizes)}, [{c.begin}, {c.end}))"
             )
-    if meta.sha256 is None:
-        return
-    sha = hashlib.sha256()
-    for start in range(0, size, HASH_BLOCK):
-        (block,) = storage.read_ranges([(name, start, min(size, start + HASH_BLOCK))])
-        sha.update(block)
-        report.bytes_hashed += block.nbytes
-    if sha.hexdigest() != meta.sha256:
-        report.problems.append(
+    return True
+
+
+def _check_data(
+    storage: FsspecStorage,
+    name: str,
+    meta: Any,
+    lo: int,
+    hi: int,
+    out: list[str],
+    advance: Callable[[int], None],
+) -> int:
+    """Check blocks (and sha256, when ``[lo, hi)`` is the whole file) of one span."""
+    sha = hashlib.sha256() if meta.sha256 is not None else None
+    step = meta.blocks.block_size if meta.blocks is not None else SPAN
+    if meta.blocks is not None:
+        step *= max(1, (16 * 1024 * 1024) // step)
+    checked = 0
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        view = storage.read_view(name, a, b)
+        if meta.blocks is not None:
+            try:
+                meta.blocks.check(a, view)
+            except ChecksumError:
+                # Name every bad block of this piece, not only the first.
+                bs = meta.blocks.block_size
+                for k in range(a, b, bs):
+                    try:
+                        meta.blocks.check(k, view[k - a : min(b, k + bs) - a])
+                    except ChecksumError as e:
+                        out.append(str(e))
+        if sha is not None:
+            sha.update(view)
+        checked += b - a
+        advance(b - a)
+        del view
+    if sha is not None and sha.hexdigest() != meta.sha256:
+        out.append(
             f"{name}: sha256 mismatch (file {sha.hexdigest()[:16]}…, index {meta.sha256[:16]}…)"
         )
+    return checked

@@ -41,10 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", help="HF export: cap per file, e.g. 5GB")
     c.add_argument("--progress-file", help="rank 0 appends JSON progress lines here")
     c.add_argument(
-        "--no-checksum",
-        action="store_true",
-        help="skip sha256 of output files (faster, unverifiable)",
+        "--checksum",
+        choices=["crc32c", "sha256", "none"],
+        default="crc32c",
+        help="what the output records: block CRC32Cs (default), those plus sha256, or none",
     )
+    c.add_argument("--no-checksum", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from reshard_svc.runtime.convert import convert
 
-    if os.environ.get("RESHARD_JOB_ID"):
+    if os.environ.get("RESHARD_JOB_ID") or os.environ.get("RESHARD_DIE_WITH_PARENT"):
         _die_with_parent()
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) >= 1
     if distributed and not dist.is_initialized():
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             max_memory=args.max_memory,
             max_shard_size=args.max_shard_size,
             progress=progress,
-            checksum=not args.no_checksum,
+            checksum="none" if args.no_checksum else args.checksum,
         )
     except Exception as e:
         _emit(progress_file, {"event": "error", "error": f"{type(e).__name__}: {e}"})

@@ -89,7 +89,8 @@ def verify(
     uri: Annotated[str, typer.Argument(help="Checkpoint folder to check end to end.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Check coverage, overlaps, byte ranges, file sizes, headers and sha256. Exit 1 on problems."""
+    """Check coverage, overlaps, byte ranges, sizes, headers and every block's CRC32C (and
+    sha256 where recorded). Exit 1 on problems."""
     from reshard_svc import verify as do_verify
 
     bar = Progress(
@@ -115,9 +116,14 @@ def verify(
     if as_json:
         sys.stdout.write(json.dumps(report.to_json(), indent=1) + "\n")
     elif report.ok:
+        checked = (
+            f"{_size(report.bytes_hashed)} checked ({report.checksum})"
+            if report.checksum != "none"
+            else "no checksums recorded: only sizes, headers and coverage were checked"
+        )
         out.print(
             f"[green]ok[/] {uri}: {report.tensors} tensors, {report.files_checked} files, "
-            f"{_size(report.bytes_hashed)} hashed",
+            f"{checked}",
             highlight=False,
         )
     else:
@@ -162,8 +168,12 @@ def convert(
         int, typer.Option(min=1, help="torchrun workers to launch (1 runs in-process).")
     ] = 1,
     checksum: Annotated[
-        bool, typer.Option(help="sha256 every output file (--no-checksum is faster).")
-    ] = True,
+        str,
+        typer.Option(
+            help="What the output records: crc32c (block CRCs, checked on every read), "
+            "sha256 (those plus a whole-file sha256) or none."
+        ),
+    ] = "crc32c",
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
@@ -177,8 +187,7 @@ def convert(
     for flag, value in (("--mesh", mesh), ("--rules", rules), ("--dtype", dtype)):
         if value:
             args += [flag, value]
-    if not checksum:
-        args.append("--no-checksum")
+    args += ["--checksum", checksum]
     with tempfile.TemporaryDirectory() as tmp, _bar(as_json) as bar:
         task = bar.add_task("converting", total=None, tensors="")
         progress_file = os.path.join(tmp, "progress.jsonl")
@@ -190,18 +199,28 @@ def convert(
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={workers}", "-m", "reshard_svc.worker", "convert", *args,
                    "--progress-file", progress_file]  # fmt: skip
-            proc = subprocess.Popen(cmd)
-            while proc.poll() is None:
-                _show(bar, task, progress_file)
-                time.sleep(0.2)
+            # torchrun's and the workers' output goes to a log, kept only on failure: the
+            # user sees one error line, not every rank's traceback.
+            log_fd, log_path = tempfile.mkstemp(prefix="reshard-convert-", suffix=".log")
+            with os.fdopen(log_fd, "wb") as log:
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env={**os.environ, "RESHARD_DIE_WITH_PARENT": "1"},
+                    preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl
+                )  # fmt: skip
+                while proc.poll() is None:
+                    _show(bar, task, progress_file)
+                    time.sleep(0.2)
             code = proc.returncode
         last = _show(bar, task, progress_file)
     if code != 0 or last.get("event") != "done":
-        err.print(
-            f"[bold red]error:[/] {last.get('error', f'workers exited with {code}')}",
-            highlight=False,
-        )
+        reason = last.get("error") or f"workers exited with code {code}"
+        if workers > 1:
+            reason += f" (worker logs: {log_path})"
+        err.print(f"[bold red]error:[/] {reason}", highlight=False)
         raise typer.Exit(2)
+    if workers > 1:
+        os.unlink(log_path)
     if as_json:
         sys.stdout.write(json.dumps(last) + "\n")
     else:
@@ -210,6 +229,17 @@ def convert(
             f"{_size(last['bytes_written'])} written in {last['seconds']} s ({last['strategy']})",
             highlight=False,
         )
+
+
+def _die_with_parent() -> None:
+    """torchrun dies with this CLI process (and its workers with it): no orphan commits."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _show(bar: Progress, task: Any, path: str) -> dict[str, Any]:
@@ -329,6 +359,9 @@ def submit(
     max_memory: Annotated[
         str | None, typer.Option(help="Byte budget per worker, e.g. 1GiB.")
     ] = None,
+    checksum: Annotated[
+        str, typer.Option(help="What the output records: crc32c, sha256 or none.")
+    ] = "crc32c",
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submit at most once per key.")
     ] = None,
@@ -341,7 +374,7 @@ def submit(
 ) -> None:
     """Submit a conversion job to reshard-server."""
     spec: dict[str, Any] = {"source": src, "target": dst, "format": format, "workers": workers,
-                            "strategy": strategy}  # fmt: skip
+                            "strategy": strategy, "checksum": checksum}  # fmt: skip
     try:
         if mesh:
             spec["mesh"] = _parse_mesh(mesh)

@@ -109,7 +109,9 @@ def main() -> int:
                  "--workers", "2", "--wait"], env)  # fmt: skip
             run([py, "-m", "reshard_client.cli", "jobs"], env)
 
-            step("Verifying the result (coverage, headers, sha256) and comparing every tensor")
+            step(
+                "Verifying the result (coverage, headers, block CRC32Cs) and comparing every tensor"
+            )
             run([py, "-m", "reshard_client.cli", "verify", dst], env)
             run([py, "-m", "reshard_client.cli", "inspect", dst], env)
             import torch

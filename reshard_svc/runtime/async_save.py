@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard_svc.errors import CheckpointError
+from reshard_svc.checksums import check_algorithm
+from reshard_svc.errors import CheckpointError, UsageError
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.layout import Box
 from reshard_svc.runtime.comm import Comm
@@ -50,7 +51,7 @@ class AsyncSaver:
 
     def __init__(self, process_group: Any = None, max_in_flight: int = 1) -> None:
         if max_in_flight < 1:
-            raise ValueError("max_in_flight must be >= 1")
+            raise UsageError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         if dist.is_available() and dist.is_initialized():
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
@@ -69,8 +70,10 @@ class AsyncSaver:
         uri: str,
         *,
         storage_options: Mapping[str, Any] | None = None,
+        checksum: str = "crc32c",
     ) -> Future[CheckpointIndex]:
         """Stage ``state_dict`` and return a future of the committed index."""
+        algorithm = check_algorithm(checksum)
         while len(self._inflight) >= self.max_in_flight:
             done = self._inflight.popleft()
             try:
@@ -78,7 +81,7 @@ class AsyncSaver:
             except Exception:  # the caller sees it from that save's own future
                 logger.debug("previous async save failed", exc_info=True)
         comm = Comm(self._group)
-        prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options))
+        prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options), algorithm)
         mine = {(name, box) for spec in prep.plan.files_of(comm.rank) for name, box in spec.entries}
         for name, placed in prep.placed.items():
             for box in [b for b in placed.local if (name, b) not in mine]:
@@ -124,7 +127,7 @@ class AsyncSaver:
         """Fork a process that writes this rank's files from the copy-on-write snapshot.
 
         Returns a function (run by the background thread) that waits for the writer and
-        yields its [[name, size, sha256], ...] or raises its error.
+        yields its [[name, size, checksums], ...] or raises its error.
         """
         read_fd, write_fd = os.pipe()
         pid = os.fork()
@@ -184,6 +187,7 @@ def async_save(
     *,
     process_group: Any = None,
     storage_options: Mapping[str, Any] | None = None,
+    checksum: str = "crc32c",
 ) -> Future[CheckpointIndex]:
     """Like :func:`reshard_svc.save`, but returns once the state is staged.
 
@@ -194,4 +198,4 @@ def async_save(
     saver = _SAVERS.get(key)
     if saver is None:
         saver = _SAVERS[key] = AsyncSaver(process_group)
-    return saver.save(state_dict, uri, storage_options=storage_options)
+    return saver.save(state_dict, uri, storage_options=storage_options, checksum=checksum)

@@ -105,7 +105,7 @@ class BackgroundWriter:
         while self._queue and self._queued + n > self.max_bytes:
             self._pop()
         hasher, writer = self._lane(out)
-        h = hasher.submit(out.sha.update, data)
+        h = hasher.submit(out.sums.update, data)
         w = writer.submit(_write_raw, out, data, keep)
         self._queue.append((h, w, n))
         self._queued += n

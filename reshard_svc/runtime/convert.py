@@ -4,7 +4,7 @@ Run by W workers (torchrun; W=1 needs no process group). Every worker computes t
 output plan (files, headers, chunk byte ranges) and the same read plan. Each output file
 has one writer worker; its target boxes are cut into row bands on the read plan's grid,
 so every band is complete at the end of its wave and is streamed into the file in order
-(header first, then data), hashed on the way. Rank 0 commits the index last; a failed or
+(header first, then data), block CRC32Cs computed on the way. Rank 0 commits the index last; a failed or
 killed conversion leaves no committed target.
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from reshard_svc import __version__
+from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
 from reshard_svc.errors import CheckpointError, LayoutError
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.layout import Box, Layout, Mesh
@@ -194,16 +195,18 @@ def convert(
     process_group: Any = None,
     progress: Progress | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    checksum: bool = True,
+    checksum: str | bool = "crc32c",
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
 
     Called by every worker of ``process_group`` (or one process without one). ``mesh``
     (``"tp=4"``, ``"dp=2,tp=4"``) and ``rules`` (glob -> placements) choose the target
     layouts; ``format="hf"`` writes one consolidated HF folder instead. ``max_memory`` is
-    the per-worker byte budget for in-flight data. ``checksum=False`` skips the sha256
-    of output files (the index then records none; ``verify`` checks everything else).
+    the per-worker byte budget for in-flight data. ``checksum`` is what the output
+    records: ``"crc32c"`` block CRCs (default), ``"sha256"`` (those plus a whole-file
+    sha256) or ``"none"``. Every source block read is checked against its CRC32C first.
     """
+    algorithm = check_algorithm(checksum)
     if format not in ("native", "hf"):
         raise LayoutError(f"format must be 'native' or 'hf', got {format!r}")
     if strategy not in ("auto", "exchange", "direct"):
@@ -284,7 +287,7 @@ def convert(
 
     def open_writers() -> None:
         for spec in my_files:
-            writers[spec.name] = _FileWriter(staging, spec, background, checksum)
+            writers[spec.name] = _FileWriter(staging, spec, background, algorithm)
 
     src_dtypes = {n: m.dtype for n, m in index.tensors.items()}
     try:
@@ -292,8 +295,9 @@ def convert(
         # ever left waiting in a collective its peers abandoned.
         comm.run_everywhere("convert: opening output files", open_writers)
         bytes_read = execute(
-            plan, storage, src_dtypes, comm, sink, progress, flush, dest_view=dest_view
-        )
+            plan, storage, src_dtypes, comm, sink, progress, flush, dest_view=dest_view,
+            blocks=index.block_tables(),
+        )  # fmt: skip
 
         def close_all() -> list[Any]:
             background.drain()
@@ -308,7 +312,12 @@ def convert(
         if comm.rank == 0:
             target.abort(staging)
         raise
-    files = {name: FileMeta(size, sha) for r in results for name, size, sha in r[1]}
+    block_size = DEFAULT_BLOCK_SIZE if algorithm != "none" else None
+    files = {
+        name: FileMeta.from_written(name, size, sums, block_size)
+        for r in results
+        for name, size, sums in r[1]
+    }
     result_index = CheckpointIndex(
         tensors={
             n: TensorMeta(n, dtypes[n], m.shape, out.layouts.get(n), out.chunks.get(n, ()))
@@ -317,6 +326,8 @@ def convert(
         files=files,
         extras=dict(index.extras),
         created_by=f"reshard_svc {__version__}",
+        checksum=algorithm,
+        block_size=block_size,
     )
 
     def commit() -> None:
@@ -356,12 +367,12 @@ class _FileWriter:
     hashed and written on the background threads."""
 
     def __init__(
-        self, staging: FsspecStorage, spec: FileSpec, background: BackgroundWriter, checksum: bool
+        self, staging: FsspecStorage, spec: FileSpec, background: BackgroundWriter, checksum: str
     ) -> None:
         self.spec = spec
         self.background = background
         self.raw = staging.open_write(spec.name)
-        self.out = HashingWriter(self.raw, checksum)
+        self.out = HashingWriter(self.raw, checksum, DEFAULT_BLOCK_SIZE)
         self.out.write(spec.header)
         self.next = len(spec.header)  # offset of the next byte to queue
         self.pending: dict[int, torch.Tensor] = {}
@@ -381,7 +392,7 @@ class _FileWriter:
                 f"({len(self.pending)} bands out of order): the source does not cover the target"
             )
         self.raw.close()
-        return [self.spec.name, self.out.size, self.out.hexdigest()]
+        return [self.spec.name, self.out.size, self.out.result()]
 
     def discard(self) -> None:
         try:

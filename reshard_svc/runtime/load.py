@@ -34,9 +34,10 @@ DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 
 @dataclass(frozen=True)
 class LoadStats:
-    bytes_read: int  # by this rank, from storage
+    bytes_read: int  # fetched by this rank from storage (CRC blocks are read whole)
     bytes_total: int  # size of the loaded tensors in the checkpoint
     waves: int
+    bytes_planned: int = 0  # the needed bytes this rank was planned to read
 
 
 def open_shared(
@@ -135,8 +136,12 @@ def load(
 
     dtypes = {n: m.dtype for n, m in index.tensors.items()}
     with torch.no_grad():
-        read = execute(plan, storage, dtypes, comm, sink, progress, dest_view=dest_view)
-    return LoadStats(read, sum(index.tensors[n].nbytes for n in placed), len(plan.waves))
+        read = execute(
+            plan, storage, dtypes, comm, sink, progress, dest_view=dest_view,
+            blocks=index.block_tables(),
+        )  # fmt: skip
+    planned = sum(r.nbytes for w in plan.waves for r in w.reads if r.reader == comm.rank)
+    return LoadStats(read, sum(index.tensors[n].nbytes for n in placed), len(plan.waves), planned)
 
 
 def _names(names: list[str], limit: int = 8) -> str:

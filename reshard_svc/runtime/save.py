@@ -4,7 +4,7 @@ Order of events (every rank calls :func:`save` with the same keys):
 
 1. each rank describes its tensors; ranks agree on one plan digest and rank 0's token;
 2. each rank streams the boxes it was assigned into safetensors files in the staging
-   area, hashing as it writes;
+   area, computing block CRC32Cs as it writes;
 3. rank 0 writes ``reshard.index.json`` and commits (rename locally, index-last on object
    stores). Any failure on any rank aborts the staging area on every path.
 """
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from reshard_svc import __version__
+from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
 from reshard_svc.errors import CheckpointError, StateDictError
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
@@ -60,10 +61,14 @@ def box_bands(view: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _write_file(
-    staging: FsspecStorage, spec: FileSpec, placed: dict[str, Placed], background: BackgroundWriter
+    staging: FsspecStorage,
+    spec: FileSpec,
+    placed: dict[str, Placed],
+    background: BackgroundWriter,
+    checksum: str,
 ) -> list[Any]:
     with staging.open_write(spec.name) as raw:
-        w = HashingWriter(raw)
+        w = HashingWriter(raw, checksum, DEFAULT_BLOCK_SIZE)
         w.write(spec.header)
         for name, box in spec.entries:
             view = placed[name].local.get(box)
@@ -75,7 +80,7 @@ def _write_file(
         background.drain()
     if w.size != spec.size:
         raise CheckpointError(f"{spec.name}: wrote {w.size} bytes, planned {spec.size}")
-    return [spec.name, w.size, w.hexdigest()]
+    return [spec.name, w.size, w.result()]
 
 
 @dataclass
@@ -89,10 +94,15 @@ class PreparedSave:
     extras: dict[str, Any]
     plan: SavePlan
     token: str
+    checksum: str = "crc32c"
 
 
 def prepare_save(
-    state_dict: Mapping[str, Any], uri: str, comm: Comm, storage: FsspecStorage
+    state_dict: Mapping[str, Any],
+    uri: str,
+    comm: Comm,
+    storage: FsspecStorage,
+    checksum: str = "crc32c",
 ) -> PreparedSave:
     """Every rank: describe the state dict, agree on it and on a token, plan the files."""
 
@@ -140,15 +150,16 @@ def prepare_save(
         token=token,
         file_suffix=staging.file_suffix,
     )
-    return PreparedSave(uri, storage, staging, placed, dict(state["extras"]), plan, token)
+    return PreparedSave(uri, storage, staging, placed, dict(state["extras"]), plan, token, checksum)
 
 
 def write_files(prep: PreparedSave, rank: int, staging: FsspecStorage | None = None) -> list[Any]:
-    """This rank's share of the data files (no collectives): [[name, size, sha256], ...]."""
+    """This rank's share of the data files (no collectives): [[name, size, sums], ...]."""
     staging = staging or prep.staging
     with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
         return [
-            _write_file(staging, spec, prep.placed, background) for spec in prep.plan.files_of(rank)
+            _write_file(staging, spec, prep.placed, background, prep.checksum)
+            for spec in prep.plan.files_of(rank)
         ]
 
 
@@ -165,7 +176,12 @@ def write_and_commit(
         if comm.rank == 0:
             storage.abort(staging)
         raise
-    files = {name: FileMeta(size, sha) for per_rank in written for name, size, sha in per_rank}
+    block_size = DEFAULT_BLOCK_SIZE if prep.checksum != "none" else None
+    files = {
+        name: FileMeta.from_written(name, size, sums, block_size)
+        for per_rank in written
+        for name, size, sums in per_rank
+    }
     index = CheckpointIndex(
         tensors={
             p.name: TensorMeta(p.name, p.dtype, p.shape, p.layout, plan.chunks[p.name])
@@ -174,6 +190,8 @@ def write_and_commit(
         files=files,
         extras=prep.extras,
         created_by=f"reshard_svc {__version__}",
+        checksum=prep.checksum,
+        block_size=block_size,
     )
 
     def commit() -> None:
@@ -201,14 +219,18 @@ def save(
     *,
     process_group: Any = None,
     storage_options: Mapping[str, Any] | None = None,
+    checksum: str = "crc32c",
 ) -> CheckpointIndex:
     """Save a (nested) state dict of DTensors, Tensors, ShardedTensors and JSON values.
 
     Called by every rank of ``process_group`` (default: the whole job; without an
     initialised process group, a single process). Returns the committed index.
+    ``checksum``: ``"crc32c"`` (block CRCs, checked on every read), ``"sha256"`` (the
+    same plus a whole-file sha256) or ``"none"``.
     """
+    algorithm = check_algorithm(checksum)
     comm = Comm(process_group)
-    prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options))
+    prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options), algorithm)
     return write_and_commit(prep, comm)
 
 

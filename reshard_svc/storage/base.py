@@ -14,9 +14,10 @@ Commit protocol (called by the coordinator only, after every rank has written):
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import IO, Any, Protocol, runtime_checkable
+
+from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, FileChecksummer
 
 __all__ = ["HashingWriter", "Storage"]
 
@@ -46,6 +47,11 @@ class Storage(Protocol):
         """Bytes ``[start, end)`` of each named file, fetched concurrently where possible."""
         ...
 
+    def read_view(self, name: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of one file, without a copy where the backend can
+        (a read-only memory map of a local file); a short file raises CorruptCheckpointError."""
+        ...
+
     def read_into(self, name: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``start`` (exactly ``len(out)`` bytes)."""
         ...
@@ -67,26 +73,24 @@ class Storage(Protocol):
     def abort(self, staging: Storage) -> None: ...
 
 
-class _NoHash:
-    def update(self, data: bytes | memoryview) -> None:
-        pass
-
-
 class HashingWriter:
-    """Wraps a binary stream; counts bytes and computes sha256 of everything written
-    (``checksum=False`` skips the hash; :meth:`hexdigest` is then None)."""
+    """Wraps a binary stream written front to back; counts bytes and checksums them
+    (block CRC32C, plus sha256 when ``algorithm="sha256"``; nothing for ``"none"``)."""
 
-    def __init__(self, raw: IO[bytes], checksum: bool = True) -> None:
+    def __init__(
+        self, raw: IO[bytes], algorithm: str = "crc32c", block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> None:
         self.raw = raw
-        self.sha: Any = hashlib.sha256() if checksum else _NoHash()
+        self.sums = FileChecksummer(algorithm, block_size)
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> int:
-        self.sha.update(data)
+        self.sums.update(data)
         self.raw.write(data)
         n = len(data) if isinstance(data, bytes) else data.nbytes
         self.size += n
         return n
 
-    def hexdigest(self) -> str | None:
-        return None if isinstance(self.sha, _NoHash) else self.sha.hexdigest()
+    def result(self) -> dict[str, Any]:
+        """The index fields of this file's checksums."""
+        return self.sums.result()

@@ -126,6 +126,11 @@ class FsspecStorage:
                 )
         return views
 
+    def read_view(self, name: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of one file (one ranged read)."""
+        (data,) = self.read_ranges([(name, start, end)])
+        return data
+
     def read_into(self, name: str, start: int, out: memoryview) -> None:
         (data,) = self.read_ranges([(name, start, start + out.nbytes)])
         out[:] = data

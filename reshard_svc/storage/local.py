@@ -9,6 +9,7 @@ destroyed before the new one commits.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 from collections.abc import Sequence
@@ -52,6 +53,32 @@ class LocalStorage(FsspecStorage):
                     pos += got
             finally:
                 os.close(fd)
+
+    def read_view(self, name: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` as a read-only memory map of the page cache (no copy).
+
+        The map stays valid while the view (or anything made from it) is alive. The size is
+        checked first, so a truncated file is a typed error, never a SIGBUS.
+        """
+        path = self.path(name)
+        if end <= start:
+            return memoryview(b"")
+        with translate_errors("read", path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size < end:
+                    raise CorruptCheckpointError(
+                        f"{path} is truncated: reading [{start}, {end}) but the file has "
+                        f"{size} bytes"
+                    )
+                lo = start - start % mmap.ALLOCATIONGRANULARITY
+                mapped = mmap.mmap(fd, end - lo, access=mmap.ACCESS_READ, offset=lo)
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError, AttributeError):
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        return memoryview(mapped)[start - lo :]
 
     def read_runs(self, name: str, start: int, runs: Sequence[memoryview]) -> None:
         """Fill ``runs`` (writable buffers, in order) from consecutive bytes at ``start``.

@@ -202,6 +202,7 @@ class JobManager:
             argv += ["--dtype", spec["dtype"]]
         if spec.get("max_memory"):
             argv += ["--max-memory", spec["max_memory"]]
+        argv += ["--checksum", spec.get("checksum", "crc32c")]
         return argv
 
     def _launch(self, job: JobRow) -> None:

@@ -55,6 +55,9 @@ class JobCreate(BaseModel):
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
     workers: Annotated[int, Field(ge=1, le=4096)] = 1
     strategy: Literal["auto", "exchange", "direct"] = "auto"
+    checksum: Literal["crc32c", "sha256", "none"] = Field(
+        default="crc32c", description="what the output records (crc32c block CRCs by default)"
+    )
     max_memory: str | None = Field(
         default=None, max_length=32, description="per-worker budget, e.g. 1GiB"
     )

@@ -57,7 +57,7 @@ def test_verify_exit_codes(tmp_path):
     r = reshard("verify", path, "--json")
     assert r.returncode == 1
     report = json.loads(r.stdout)
-    assert not report["ok"] and "sha256" in report["problems"][0]
+    assert not report["ok"] and "CRC32C" in report["problems"][0]
 
 
 def test_not_a_checkpoint_is_exit_2(tmp_path):

@@ -23,9 +23,11 @@ def test_save_tp4_load_into_other_layouts_and_world_sizes(tmp_path):
             assert r["bad"] == [], (rank, r)
             assert r["step"] == 42 and r["meta"] == {"note": "hello", "lrs": [0.1, 0.01]}
             assert r["waves"] > 1  # the 1 KiB budget forced several waves
-    # Each stored byte read once per job, across ranks.
+    # Each needed stored byte is planned to be read once per job, across ranks; the
+    # fetches widen to whole CRC32C blocks, so they read at least that.
     for i in range(2):
-        assert sum(res[r][i]["bytes_read"] for r in res) == res[0][i]["bytes_total"]
+        assert sum(res[r][i]["bytes_planned"] for r in res) == res[0][i]["bytes_total"]
+        assert all(res[r][i]["bytes_read"] >= res[r][i]["bytes_planned"] for r in res)
     assert reshard_svc.verify(path).ok
     index = json.loads(open(os.path.join(path, "reshard.index.json")).read())
     qkv = index["tensors"]["model.layers.0.qkv.weight"]
@@ -37,7 +39,7 @@ def test_save_tp4_load_into_other_layouts_and_world_sizes(tmp_path):
     # World 2 reads the world-4 checkpoint, on a 1-D mesh.
     res2 = run(workloads.load_only, 2, path, [2])
     assert all(r["bad"] == [] for r in res2.values())
-    assert sum(r["bytes_read"] for r in res2.values()) == res2[0]["bytes_total"]
+    assert sum(r["bytes_planned"] for r in res2.values()) == res2[0]["bytes_total"]
     # strategy="direct": every rank reads what it needs itself; same values.
     res3 = run(workloads.load_direct, 2, path, [2])
     assert all(r["bad"] == [] for r in res3.values())

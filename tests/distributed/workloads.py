@@ -142,6 +142,7 @@ def save_then_load(path: str, save_mesh, load_meshes) -> list:
                 "step": target["step"],
                 "meta": target["meta"],
                 "bytes_read": stats.bytes_read,
+                "bytes_planned": stats.bytes_planned,
                 "bytes_total": stats.bytes_total,
                 "waves": stats.waves,
             }
@@ -157,6 +158,7 @@ def load_only(path: str, mesh) -> dict:
     return {
         "bad": mismatches(target),
         "bytes_read": stats.bytes_read,
+        "bytes_planned": stats.bytes_planned,
         "bytes_total": stats.bytes_total,
     }
 
@@ -289,3 +291,38 @@ def load_direct(path: str, mesh) -> dict:
         "bytes_read": stats.bytes_read,
         "bytes_total": stats.bytes_total,
     }
+
+
+def integrity_cases(cases: dict, tmp: str) -> dict:
+    """Load (both strategies) and convert every corrupted copy; report what each raised.
+
+    ``cases`` maps a case name to a checkpoint path holding ``w`` (rows x 1024 fp32) and
+    ``b`` (1000 fp32). Every rank must raise for every case, with no hang.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import reshard_svc
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+    for case, path in sorted(cases.items()):
+        rows = 1536  # the tests' w (inspect would refuse the truncated case up front)
+        for strategy in ("exchange", "direct"):
+            target = {
+                "w": distribute_tensor(torch.zeros(rows, 1024), mesh, [Shard(0)]),
+                "b": distribute_tensor(torch.zeros(1000), mesh, [Replicate()]),
+            }
+            try:
+                reshard_svc.load(target, path, strategy=strategy)
+                out[f"{case}/load-{strategy}"] = "ok"
+            except Exception as e:
+                out[f"{case}/load-{strategy}"] = f"{type(e).__name__}: {e}"
+        try:
+            reshard_svc.convert(path, f"{tmp}/out-{case}", mesh=f"tp={world}", rules={"w": "S(0)"})
+            out[f"{case}/convert"] = "ok"
+        except Exception as e:
+            out[f"{case}/convert"] = f"{type(e).__name__}: {e}"
+    return out

@@ -192,12 +192,15 @@ def test_missing_data_file(ckpt):
         load_into(ckpt)
 
 
-def test_sha256_mismatch(ckpt):
+def test_sha256_mismatch(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    reshard_svc.save({"a": torch.arange(12.0)}, ckpt, checksum="sha256")
     f = data_file(ckpt)
     raw = bytearray(open(f, "rb").read())
     raw[-1] ^= 0xFF
     open(f, "wb").write(raw)
-    assert "sha256 mismatch" in problems(ckpt)
+    found = problems(ckpt)
+    assert "sha256 mismatch" in found and "CRC32C" in found
 
 
 def test_unknown_format_version(ckpt):
