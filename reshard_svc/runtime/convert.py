@@ -395,7 +395,10 @@ class _FileWriter:
         return [self.spec.name, self.out.size, self.out.result()]
 
     def discard(self) -> None:
+        # Object-store writers can drop an unfinished upload; a local file is just closed
+        # (the coordinator removes the staging folder).
+        drop = getattr(self.raw, "discard", None)
         try:
-            self.raw.close()
+            (drop or self.raw.close)()
         except Exception:  # best effort: the staging area is removed by the coordinator
             logger.debug("closing %s after a failure", self.spec.name, exc_info=True)

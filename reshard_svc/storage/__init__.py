@@ -1,7 +1,8 @@
 """Storage backends behind one protocol: ``open_storage(uri)`` picks the backend.
 
-Plain paths and ``file://`` get :class:`LocalStorage` (positioned reads, rename commit);
-every other fsspec protocol gets :class:`FsspecStorage`. Storage options (endpoints,
+Plain paths and ``file://`` get :class:`LocalStorage` (memory-mapped reads, rename commit);
+``s3://`` gets :class:`S3Storage` (uploads carry their CRC32C); every other fsspec protocol
+gets :class:`FsspecStorage`. Storage options (endpoints,
 credentials) come from the caller or from fsspec's own ``FSSPEC_<PROTOCOL>_*`` env
 configuration — never from a checkpoint.
 """
@@ -17,8 +18,16 @@ from reshard_svc.errors import StorageError
 from reshard_svc.storage.base import HashingWriter, Storage
 from reshard_svc.storage.fsspec_store import FsspecStorage
 from reshard_svc.storage.local import LocalStorage
+from reshard_svc.storage.s3 import S3Storage
 
-__all__ = ["FsspecStorage", "HashingWriter", "LocalStorage", "Storage", "open_storage"]
+__all__ = [
+    "FsspecStorage",
+    "HashingWriter",
+    "LocalStorage",
+    "S3Storage",
+    "Storage",
+    "open_storage",
+]
 
 
 def open_storage(uri: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:
@@ -30,4 +39,6 @@ def open_storage(uri: str, storage_options: Mapping[str, Any] | None = None) -> 
     protocol = fsspec.utils.get_protocol(uri)
     if protocol in ("file", "local"):
         return LocalStorage(uri, storage_options=storage_options)
+    if protocol in ("s3", "s3a"):
+        return S3Storage(uri, storage_options)
     return FsspecStorage(uri, storage_options)

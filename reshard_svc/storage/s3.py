@@ -1,0 +1,157 @@
+"""S3 (s3fs): uploads that carry their CRC32C, so the store rejects a corrupted upload.
+
+Every ``PutObject`` and every ``UploadPart`` sends ``x-amz-checksum-crc32c`` with the CRC32C
+of exactly the bytes sent (multipart uploads are created with ``ChecksumAlgorithm=CRC32C``
+and completed with each part's checksum). S3 recomputes it and refuses the request on a
+mismatch. s3fs's own writer cannot do this: it passes no per-part checksum, and S3 then
+refuses to complete a CRC32C multipart upload. So this module drives the multipart upload
+itself through s3fs's ``call_s3`` (same client, credentials and endpoint settings).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import IO, Any, cast
+
+from reshard_svc.checksums import crc32c
+from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
+
+__all__ = ["S3ChecksumWriter", "S3Storage", "crc32c_b64"]
+
+#: Bytes per uploaded part (S3 allows 5 MiB to 5 GiB, at most 10,000 parts per object).
+PART_SIZE = 32 * 1024 * 1024
+MAX_PARTS = 10_000
+
+
+def crc32c_b64(data: Any) -> str:
+    """The ``x-amz-checksum-crc32c`` value of ``data``: base64 of the big-endian CRC."""
+    return base64.b64encode(struct.pack(">I", crc32c(data))).decode()
+
+
+class S3ChecksumWriter:
+    """A write-only binary stream to one S3 object; the object appears on ``close``."""
+
+    def __init__(self, fs: Any, path: str, part_size: int = PART_SIZE) -> None:
+        self.fs = fs
+        self.path = path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.part_size = part_size
+        self.buffer = bytearray()
+        self.parts: list[dict[str, Any]] = []
+        self.upload_id: str | None = None
+        self.closed = False
+
+    def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
+        with translate_errors(method, self.path):
+            return cast(dict[str, Any], self.fs.call_s3(method, **kwargs))
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.buffer += view
+        while len(self.buffer) >= self.part_size:
+            if len(self.parts) >= MAX_PARTS - 1:
+                self.part_size *= 2  # keep very large objects within S3's part limit
+                if len(self.buffer) < self.part_size:
+                    break
+            chunk = bytes(self.buffer[: self.part_size])
+            del self.buffer[: self.part_size]
+            self._upload_part(chunk)
+        return view.nbytes
+
+    def _upload_part(self, chunk: bytes) -> None:
+        if self.upload_id is None:
+            mpu = self._call(
+                "create_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                ChecksumAlgorithm="CRC32C",
+            )
+            self.upload_id = mpu["UploadId"]
+        number = len(self.parts) + 1
+        checksum = crc32c_b64(chunk)
+        out = self._call(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            PartNumber=number,
+            Body=chunk,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=checksum,
+        )
+        self.parts.append({"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum})
+
+    def flush(self) -> None:
+        """Parts go out as they fill; the object is committed by :meth:`close`."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.upload_id is None:
+            body = bytes(self.buffer)
+            self._call(
+                "put_object",
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=body,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=crc32c_b64(body),
+            )
+        else:
+            if self.buffer:
+                self._upload_part(bytes(self.buffer))
+            self._call(
+                "complete_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": self.parts},
+            )
+        self.buffer = bytearray()
+        self.fs.invalidate_cache(self.path)
+
+    def discard(self) -> None:
+        """Drop what was uploaded (an unfinished multipart upload leaves no object)."""
+        self.closed = True
+        self.buffer = bytearray()
+        if self.upload_id is not None:
+            try:
+                self._call(
+                    "abort_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                )
+            finally:
+                self.upload_id = None
+
+    def __enter__(self) -> S3ChecksumWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+
+
+class S3Storage(FsspecStorage):
+    """A checkpoint folder on S3 (or an S3-compatible store) whose uploads carry CRC32C."""
+
+    def open_write(self, name: str) -> IO[bytes]:
+        return cast(IO[bytes], S3ChecksumWriter(self.fs, self.path(name)))
+
+    def write(self, name: str, data: bytes) -> None:
+        with S3ChecksumWriter(self.fs, self.path(name)) as w:
+            w.write(data)
+
+    def staging(self, token: str) -> S3Storage:
+        return S3Storage(
+            self.uri,
+            self.storage_options,
+            file_suffix=f"-{token[:12]}",
+            _fs=self.fs,
+            _root=self.root,
+        )
