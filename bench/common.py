@@ -153,20 +153,50 @@ def peak_rss_mb() -> float:
 
 
 def timed(op: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``op`` between barriers on every rank; wall time, bytes read, peak RSS."""
+    """Run ``op`` between barriers on every rank; wall time, bytes read, peak RSS.
+
+    Bytes read are what the process read through read()/pread() (``rchar``), or, when
+    ``op`` returns reshard_svc stats, what reshard_svc says it fetched, if more: it reads
+    local files through memory maps, which ``rchar`` does not see, and it counts every
+    whole CRC32C block it fetched (the over-read of checking blocks included).
+    """
     import torch.distributed as dist
 
     dist.barrier()
     r0, w0, t0 = rchar(), wchar(), time.perf_counter()
-    op()
+    result = op()
     dist.barrier()
     wall = time.perf_counter() - t0
+    read = rchar() - r0
     return {
         "wall_s": wall,
-        "bytes_read": rchar() - r0,
+        "bytes_read": max(read, int(getattr(result, "bytes_read", 0))),
         "bytes_written": wchar() - w0,
         "peak_rss_mb": peak_rss_mb(),
     }
+
+
+def checksum_speed(mib: int = 256) -> dict[str, float]:
+    """CRC32C and sha256 throughput on one core, GB/s (median of 3 passes over ``mib``)."""
+    import hashlib
+
+    import numpy as np
+
+    from reshard_svc.checksums import crc32c
+
+    data = memoryview(np.random.default_rng(0).integers(0, 255, mib << 20, dtype=np.uint8))
+    out = {}
+    for name, fn in (
+        ("crc32c_gb_s_per_core", lambda: crc32c(data)),
+        ("sha256_gb_s_per_core", lambda: hashlib.sha256(data).digest()),
+    ):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = round(data.nbytes / statistics.median(times) / 1e9, 2)
+    return out
 
 
 def launch(nproc: int, script: str, args: list[str], results: str) -> list[dict[str, Any]]:

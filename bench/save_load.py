@@ -1,9 +1,11 @@
 """Save and load a Llama-shaped bf16 state dict (~2.7 GB) with reshard_svc and torch DCP.
 
-Same run, interleaved: save at TP=4 on 4 gloo ranks (ours; DCP FileSystemWriter), then
-load each checkpoint into TP=2 and into Replicate on 2 ranks. For each: median wall time
-(max over ranks, between barriers), peak RSS per rank, and bytes read from storage
-relative to the checkpoint (``rchar`` of the loading processes).
+Same run, interleaved: save at TP=4 on 4 gloo ranks (ours with block CRC32Cs, the
+default; ours with ``checksum="none"``; DCP FileSystemWriter), then load each checkpoint
+into TP=2 and into Replicate on 2 ranks (ours verifies every block it reads; ``ours-none``
+loads the checksum-free copy, so nothing is verified). For each: median wall time (max
+over ranks, between barriers), peak RSS per rank, and bytes read from storage relative to
+the checkpoint (``rchar``, or reshard_svc's own count of what it fetched, whichever is more).
 
     python bench/save_load.py [--size full|small] [--runs 3] [--dir /dev/shm/reshard-bench]
 
@@ -34,13 +36,14 @@ def worker(args: argparse.Namespace) -> None:
     path = os.path.join(args.dir, system)
     if op == "save":
         sd = common.build(args.size, "tp", fill=True)
-        if system == "ours":
-            res = common.timed(lambda: reshard_svc.save(sd, path))
+        if system in ("ours", "ours-none"):
+            checksum = "crc32c" if system == "ours" else "none"
+            res = common.timed(lambda: reshard_svc.save(sd, path, checksum=checksum))
         else:
             res = common.timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)))
     else:
         sd = common.build(args.size, op, fill=False)
-        if system == "ours":
+        if system in ("ours", "ours-none"):
             res = common.timed(lambda: reshard_svc.load(sd, path))
         elif system == "ours-direct":
             path = os.path.join(args.dir, "ours")
@@ -54,7 +57,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = common.bench_parser(__doc__, "/dev/shm/reshard-bench")
-    ap.add_argument("--system", choices=["ours", "ours-direct", "dcp"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--system", choices=["ours", "ours-none", "ours-direct", "dcp"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--op", choices=["save", "tp", "rep"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -67,10 +72,14 @@ def main() -> None:
     runs: dict[tuple[str, str], list] = {}
     try:
         for _ in range(args.runs):
-            for system in ("ours", "dcp"):
+            for system in ("ours", "ours-none", "dcp"):
                 shutil.rmtree(os.path.join(args.dir, system), ignore_errors=True)
             for op, n in ops:
-                systems = ("ours", "dcp") if op == "save" else ("ours", "ours-direct", "dcp")
+                systems = (
+                    ("ours", "ours-none", "dcp")
+                    if op == "save"
+                    else ("ours", "ours-none", "ours-direct", "dcp")
+                )
                 for system in systems:  # interleaved, same conditions
                     per_rank = common.launch(
                         n,
@@ -89,11 +98,13 @@ def main() -> None:
     summary = {"bench": "save_load", "size": args.size, "model_bytes": model, "runs": args.runs}
     for op, _ in ops:
         ours = common.summarize(runs[("ours", op)], model)
+        none = common.summarize(runs[("ours-none", op)], model)
         dcp = common.summarize(runs[("dcp", op)], model)
-        rows = [("ours", ours), ("dcp", dcp)]
+        rows = [("ours", ours), ("ours-none", none), ("dcp", dcp)]
+        summary[f"{op}_wall_ratio_crc32c_over_none"] = round(ours["wall_s"] / none["wall_s"], 2)
         if ("ours-direct", op) in runs:
             direct = common.summarize(runs[("ours-direct", op)], model)
-            rows.insert(1, ("ours-direct", direct))
+            rows.insert(2, ("ours-direct", direct))
             summary[f"{op}_direct_wall_ratio_over_dcp"] = round(direct["wall_s"] / dcp["wall_s"], 2)
         for system, s in rows:
             print(json.dumps({"bench": "save_load", "op": names[op], "system": system, **s}))
@@ -101,6 +112,7 @@ def main() -> None:
         summary[f"{op}_rss_ratio_ours_over_dcp"] = round(
             ours["peak_rss_mb_per_rank"] / dcp["peak_rss_mb_per_rank"], 2
         )
+    summary.update(common.checksum_speed())
     print(json.dumps(summary))
 
 

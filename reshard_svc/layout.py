@@ -326,6 +326,19 @@ class Layout:
 
     @classmethod
     def from_json(cls, data: Any) -> Layout:
+        # Indexes repeat a handful of layouts thousands of times: parse each once.
+        key = _layout_key(data)
+        if key is not None:
+            cached = _LAYOUTS.get(key)
+            if cached is None:
+                cached = _LAYOUTS[key] = cls._from_json(data)
+                if len(_LAYOUTS) > 4096:
+                    _LAYOUTS.clear()
+            return cached
+        return cls._from_json(data)
+
+    @classmethod
+    def _from_json(cls, data: Any) -> Layout:
         if isinstance(data, str):
             try:
                 data = json.loads(data)
@@ -394,6 +407,24 @@ class Layout:
                     holders.setdefault(box, []).append(rank)
         writers = choose_writers(holders, shape, itemsize, load)
         return [WriteItem(b, tuple(holders[b]), writers[b]) for b in sorted(holders)]
+
+
+_LAYOUTS: dict[Any, Layout] = {}
+
+
+def _layout_key(data: Any) -> Any:
+    """A hashable key for layout JSON of the usual shape, or None."""
+    try:
+        mesh, pls = data["mesh"], data["placements"]
+        key = (
+            tuple(mesh["shape"]),
+            tuple(mesh["names"]) if mesh.get("names") else None,
+            tuple(pls) if isinstance(pls, list) else pls,
+        )
+        hash(key)
+        return key
+    except (TypeError, KeyError, AttributeError):
+        return None
 
 
 def choose_writers(

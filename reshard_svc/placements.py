@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Union
 
 from reshard_svc.errors import LayoutError
@@ -70,6 +71,7 @@ class StridedShard:
 
 
 Placement = Union[Replicate, Shard, StridedShard]
+_PLACEMENT_TYPES = (Replicate, Shard, StridedShard)
 
 _PLACEMENT_RE = re.compile(
     r"""^\s*(?:
@@ -86,6 +88,11 @@ def parse_placement(text: str) -> Placement:
     """Parse ``R``, ``S(d)`` or ``SS(d,k)`` (torch spellings are accepted too)."""
     if not isinstance(text, str):
         raise LayoutError(f"placement must be text such as 'S(0)', got {text!r}")
+    return _parse_placement(text)
+
+
+@lru_cache(maxsize=1024)
+def _parse_placement(text: str) -> Placement:
     m = _PLACEMENT_RE.match(text)
     if m is None:
         raise LayoutError(f"unknown placement {text!r}: use R, S(dim) or SS(dim,split_factor)")
@@ -117,6 +124,8 @@ def split_top_level(text: str) -> list[str]:
 def parse_placements(text: str | Sequence[str | Placement]) -> tuple[Placement, ...]:
     """Parse ``"S(0),R"`` or a list of placement texts/objects."""
     items: Iterable[str | Placement]
+    if isinstance(text, tuple) and all(isinstance(p, _PLACEMENT_TYPES) for p in text):
+        return text  # already parsed (Layout re-validates its own placements)
     if isinstance(text, str):
         stripped = text.strip().strip("[]")
         if not stripped:

@@ -11,11 +11,12 @@ killed conversion leaves no committed target.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, Tens
 from reshard_svc.layout import Box, Layout, Mesh
 from reshard_svc.read_plan import Part, ReadPlan, Wave, band_limit, plan_reads, row_step, split_rows
 from reshard_svc.rules import resolve_layouts
-from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
+from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.load import open_shared
@@ -262,27 +263,7 @@ def convert(
 
     my_files = [f for f in out.files if f.writer == comm.rank]
     writers: dict[str, _FileWriter] = {}
-    buffers: dict[int, torch.Tensor] = {}
-
-    def dest_view(part: Part) -> torch.Tensor:
-        t = plan.targets[part.target]
-        buf = buffers.get(part.target)
-        if buf is None:
-            buf = buffers[part.target] = torch.empty(t.box.sizes, dtype=dtypes[t.tensor])
-        return buf[part.box.slices_in(t.box)]
-
-    @torch.no_grad()
-    def sink(part: Part, data: torch.Tensor) -> None:
-        dest_view(part).copy_(data)
-
-    def flush(wave: Wave) -> None:
-        for ti in sorted(
-            buffers, key=lambda i: where[(plan.targets[i].tensor, plan.targets[i].box)]
-        ):
-            t = plan.targets[ti]
-            fname, offset = where[(t.tensor, t.box)]
-            writers[fname].put(offset, buffers.pop(ti))
-
+    sink = _BandSink(plan, dtypes, where, writers, BufferPool(max(1, budget // 2)))
     background = BackgroundWriter(max(1, budget // 4))
 
     def open_writers() -> None:
@@ -295,7 +276,8 @@ def convert(
         # ever left waiting in a collective its peers abandoned.
         comm.run_everywhere("convert: opening output files", open_writers)
         bytes_read = execute(
-            plan, storage, src_dtypes, comm, sink, progress, flush, dest_view=dest_view,
+            plan, storage, src_dtypes, comm, sink.put, progress, sink.flush,
+            dest_view=sink.view,
             blocks=index.block_tables(),
         )  # fmt: skip
 
@@ -362,6 +344,73 @@ def convert(
     )
 
 
+class _BandSink:
+    """Where a worker's target bands gather during a wave, and how they reach their files.
+
+    A band that arrives as whole-width row slabs (a row-sharded target from row-sharded
+    sources: each slab is a contiguous piece of a verified memory map or of a receive
+    buffer) is written slab by slab, never copied. Any other band is assembled in a
+    pooled buffer that goes back to the pool once it is written.
+    """
+
+    def __init__(
+        self,
+        plan: ReadPlan,
+        dtypes: dict[str, torch.dtype],
+        where: dict[tuple[str, Box], tuple[str, int]],
+        writers: dict[str, _FileWriter],
+        pool: BufferPool,
+    ) -> None:
+        self.plan, self.dtypes, self.where, self.writers, self.pool = (
+            plan, dtypes, where, writers, pool
+        )  # fmt: skip
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.slabs: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def view(self, part: Part) -> torch.Tensor:
+        """The region of the target's staging buffer that ``part`` fills."""
+        t = self.plan.targets[part.target]
+        buf = self.buffers.get(part.target)
+        if buf is None:
+            buf = self.buffers[part.target] = self.pool.take(t.box.sizes, self.dtypes[t.tensor])
+        return buf[part.box.slices_in(t.box)]
+
+    @torch.no_grad()
+    def put(self, part: Part, data: torch.Tensor) -> None:
+        t = self.plan.targets[part.target]
+        if (
+            part.box.ndim
+            and part.box.offsets[1:] == t.box.offsets[1:]
+            and part.box.sizes[1:] == t.box.sizes[1:]
+            and part.target not in self.buffers
+            and data.dtype == self.dtypes[t.tensor]
+            and data.is_contiguous()
+        ):
+            self.slabs.setdefault(part.target, []).append((part.box.offsets[0], data))
+            return
+        self.view(part).copy_(data)
+
+    def flush(self, wave: Wave) -> None:
+        """Every band of the wave is complete: queue them for their files, in file order."""
+        targets = self.plan.targets
+        for ti in sorted(
+            {*self.buffers, *self.slabs},
+            key=lambda i: self.where[(targets[i].tensor, targets[i].box)],
+        ):
+            t = targets[ti]
+            fname, offset = self.where[(t.tensor, t.box)]
+            slabs = sorted(self.slabs.pop(ti, []), key=lambda s: s[0])
+            buf = self.buffers.pop(ti, None)
+            if buf is not None:  # a band that also got non-slab parts: assemble it all
+                for row, data in slabs:
+                    buf[row - t.box.offsets[0] : row - t.box.offsets[0] + data.shape[0]] = data
+                self.writers[fname].put(offset, buf, self.pool.give)
+                continue
+            row_bytes = math.prod(t.box.sizes[1:]) * self.dtypes[t.tensor].itemsize
+            for row, data in slabs:
+                self.writers[fname].put(offset + (row - t.box.offsets[0]) * row_bytes, data, None)
+
+
 class _FileWriter:
     """Streams one output file: header, then target bands strictly in offset order,
     hashed and written on the background threads."""
@@ -375,14 +424,19 @@ class _FileWriter:
         self.out = HashingWriter(self.raw, checksum, DEFAULT_BLOCK_SIZE)
         self.out.write(spec.header)
         self.next = len(spec.header)  # offset of the next byte to queue
-        self.pending: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, tuple[torch.Tensor, Any]] = {}
 
-    def put(self, offset: int, data: torch.Tensor) -> None:
-        self.pending[offset] = data
+    def put(
+        self, offset: int, data: torch.Tensor, release: Callable[[torch.Tensor], None] | None
+    ) -> None:
+        """Queue ``data`` for ``offset``; ``release(data)`` once it is on its way to storage."""
+        self.pending[offset] = (data, release)
         while self.next in self.pending:
-            t = self.pending.pop(self.next).contiguous()
+            t, rel = self.pending.pop(self.next)
+            t = t.contiguous()
             mv = tensor_bytes(t)
-            self.background.submit(self.out, mv, keep=t)
+            done = functools.partial(rel, t) if rel is not None else None
+            self.background.submit(self.out, mv, keep=t, done=done)
             self.next += mv.nbytes
 
     def close(self) -> list[Any]:

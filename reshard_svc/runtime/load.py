@@ -8,6 +8,7 @@ same read plan; each needed stored byte is read by exactly one rank and the rest
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
-from reshard_svc.errors import StateDictError
-from reshard_svc.index import CheckpointIndex
+from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
+from reshard_svc.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
 from reshard_svc.read_plan import Part, plan_reads
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
@@ -43,19 +44,44 @@ class LoadStats:
 def open_shared(
     uri: str, comm: Comm, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[FsspecStorage, CheckpointIndex]:
-    """Rank 0 opens and validates the checkpoint; every rank gets the same index."""
+    """Every rank gets the same validated index of the checkpoint at ``uri``.
+
+    A native checkpoint's index is read and parsed by every rank at once (rank 0 also
+    checks its geometry and the files), and the ranks compare digests of what they read.
+    A foreign folder is described by rank 0 alone (it reads file headers) and shared.
+    """
     storage = open_storage(uri, storage_options)
+    parsed: dict[str, CheckpointIndex] = {}
 
     def opener() -> Any:
-        if comm.rank != 0:
-            return None
-        _, index = open_checkpoint(storage)
-        return {"index": index.to_json(), "source": index.source}
+        if comm.rank == 0:
+            _, index = open_checkpoint(storage)
+            parsed["index"] = index
+            if index.source != FORMAT_NAME or comm.world == 1:
+                return {"index": index.to_json(), "source": index.source}
+            raw = storage.read(INDEX_NAME)
+            return {"digest": hashlib.sha256(raw).hexdigest()}
+        try:
+            raw = storage.read(INDEX_NAME)
+        except MissingFileError:
+            return {}  # a foreign folder (or none): rank 0 describes it
+        parsed["index"] = CheckpointIndex.loads(raw, f"{uri}/{INDEX_NAME}")
+        return {"digest": hashlib.sha256(raw).hexdigest()}
 
     _, results = comm.run_everywhere(f"opening checkpoint {uri}", opener)
-    index = CheckpointIndex.from_json(results[0]["index"], uri)
-    index.source = results[0]["source"]
-    return storage, index
+    first = results[0]
+    if "index" in first:
+        if comm.rank == 0:
+            return storage, parsed["index"]
+        index = CheckpointIndex.from_json(first["index"], uri)
+        index.source = first["source"]
+        return storage, index
+    if any(r.get("digest") != first["digest"] for r in results):
+        raise CheckpointError(
+            f"{uri}: ranks read different {INDEX_NAME} files (was the checkpoint replaced "
+            "while opening it, or do the ranks see different storage?)"
+        )
+    return storage, parsed["index"]
 
 
 def load(

@@ -1,0 +1,113 @@
+"""The ``reshard convert`` command line, end to end: marginal cost per GiB against ``cp -r``.
+
+A TP=2 bf16 checkpoint of 1 GiB and one of 1 MiB (Llama-shaped: column- and row-parallel
+weights) are converted to TP=4 by ``reshard convert SRC DST --mesh tp=4 --workers 2`` (a
+fresh CLI process, torchrun, two gloo workers, every source block checked, block CRC32Cs
+written) and copied with ``cp -r``, interleaved, ``--runs`` times each, in each folder
+given (tmpfs and disk by default). The fixed costs (interpreter start, torchrun, process
+groups) cancel out in the marginal cost::
+
+    marginal = (convert 1 GiB - convert 1 MiB) / (cp 1 GiB - cp 1 MiB)     (medians)
+
+    python bench/cli_convert.py [--runs 3] [--dirs /dev/shm/reshard-cli,/tmp/reshard-cli]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = {  # layers, hidden, ffn: ~1 GiB and ~1 MiB of bf16
+    "1GiB": (8, 2048, 5632),
+    "1MiB": (1, 256, 768),
+}
+
+
+def build(path: str, size: str) -> int:
+    """A TP=2 checkpoint at ``path``; returns its tensor bytes."""
+    import torch
+
+    import reshard_svc
+
+    layers, h, f = SHAPES[size]
+    g = torch.Generator().manual_seed(0)
+    sd, rules = {}, {}
+    for i in range(layers):
+        for name, shape, pl in (
+            ("wqkv", (3 * h, h), "S(0)"),
+            ("wo", (h, h), "S(1)"),
+            ("w13", (2 * f, h), "S(0)"),
+            ("w2", (h, f), "S(1)"),
+            ("norm", (h,), "R"),
+        ):
+            key = f"layers.{i}.{name}"
+            sd[key] = torch.randn(shape, generator=g).to(torch.bfloat16)
+            rules[key] = pl
+    reshard_svc.save(sd, path + "-plain", checksum="none")
+    reshard_svc.convert(path + "-plain", path, mesh="tp=2", rules=rules)
+    shutil.rmtree(path + "-plain")
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def timed(cmd: list[str]) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def bench_dir(base: str, runs: int) -> dict:
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    sizes = {s: build(f"{base}/src-{s}", s) for s in SHAPES}
+    walls: dict[str, list[float]] = {}
+    cli = [sys.executable, "-m", "reshard_client.cli", "convert"]
+    try:
+        for _ in range(runs):
+            for size in SHAPES:
+                for op in ("cp", "convert"):
+                    dst = f"{base}/out-{op}-{size}"
+                    shutil.rmtree(dst, ignore_errors=True)
+                    src = f"{base}/src-{size}"
+                    if op == "cp":
+                        cmd = ["cp", "-r", src, dst]
+                    else:
+                        cmd = [*cli, src, dst, "--mesh", "tp=4", "--workers", "2"]
+                    walls.setdefault(f"{op}-{size}", []).append(timed(cmd))
+                    shutil.rmtree(dst, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    for k, v in walls.items():
+        print(json.dumps({"bench": "cli_convert", "dir": base, "op": k,
+                          "wall_s": round(med[k], 3), "wall_s_all": [round(x, 3) for x in v]}))  # fmt: skip
+    conv = med["convert-1GiB"] - med["convert-1MiB"]
+    cp = med["cp-1GiB"] - med["cp-1MiB"]
+    gib = (sizes["1GiB"] - sizes["1MiB"]) / 2**30
+    return {
+        "bench": "cli_convert",
+        "dir": base,
+        "runs": runs,
+        "marginal_convert_s_per_gib": round(conv / gib, 3),
+        "marginal_cp_s_per_gib": round(cp / gib, 3),
+        "marginal_ratio_convert_over_cp": round(conv / cp, 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dirs", default="/dev/shm/reshard-cli,/tmp/reshard-cli")
+    args = ap.parse_args()
+    for base in args.dirs.split(","):
+        print(json.dumps(bench_dir(base, args.runs)))
+
+
+if __name__ == "__main__":
+    main()
