@@ -122,8 +122,9 @@ def main() -> None:
     runs: dict[str, list] = {}
     try:
         common.launch(4, __file__, [*base, "--op", "setup"], results)
-        for _ in range(args.runs):
-            for op in OPS:
+        for run in range(args.runs):
+            # Rotate the order each run, so no operation always follows the same one.
+            for op in OPS[run % len(OPS) :] + OPS[: run % len(OPS)]:
                 for name in os.listdir(args.dir):
                     if name.startswith("out-"):
                         shutil.rmtree(os.path.join(args.dir, name), ignore_errors=True)

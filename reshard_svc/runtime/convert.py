@@ -279,6 +279,7 @@ def convert(
             plan, storage, src_dtypes, comm, sink.put, progress, sink.flush,
             dest_view=sink.view,
             blocks=index.block_tables(),
+            check_in_place=False,
         )  # fmt: skip
 
         def close_all() -> list[Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,10 @@ class ProgressInfo:
 Progress = Callable[[ProgressInfo], None]
 #: ``dest_view(part)``: the CPU tensor region ``part`` lands in, or None.
 DestView = Callable[[Part], "torch.Tensor | None"]
+
+
+#: Reads checked in place need runs at least this long on average (else: memory map + copy).
+MIN_CHECKED_RUN = 64 * 1024
 
 
 def _align(n: int) -> int:
@@ -155,13 +159,16 @@ def execute(
     on_wave_end: Callable[[Wave], None] | None = None,
     dest_view: DestView | None = None,
     blocks: Mapping[str, BlockTable] | None = None,
+    check_in_place: bool = True,
 ) -> int:
     """Run the plan on this rank; returns the bytes this rank read from storage.
 
     Reads of files with a block table (``blocks``, file name -> table) are widened to
     whole blocks and checked (:class:`CheckedReader`) before any byte is used; a
     mismatch raises :class:`~reshard_svc.errors.ChecksumError` on this rank and fails
-    every rank at the wave's agreement point.
+    every rank at the wave's agreement point. ``check_in_place`` lets a checked read land
+    in its destination first (see ``_read_in_place``); ``convert`` turns it off, since
+    it writes verified memory-mapped source bytes to its files without any copy.
 
     ``on_wave_end(wave)`` runs after every part of the wave reached its sink.
     ``dest_view(part)`` may return the CPU tensor region a part will land in; when a
@@ -185,33 +192,67 @@ def execute(
         if pending:
             raise pending[0]
         out: dict[int, torch.Tensor] = {}
-        buffered = []
-        verified = [r for r in mine if checked.covers(r)]
-        raw_of = checked.read(verified) if verified else {}
+        buffered, verified = [], []
         for r in mine:
-            if r.id in raw_of:
-                out[r.id] = _band_view(r, raw_of[r.id], dtypes[r.tensor])
-                continue
-            view = None
-            if local and dest_view is not None and r.encoding == "raw":
-                own = [p for p in parts.get(r.id, ()) if p.dest == me and p.box == r.box]
-                if own:
-                    view = dest_view(own[0])
-                    runs = tensor_runs(view) if view is not None else None
-                    if view is not None and view.dtype == dtypes[r.tensor] and runs is not None:
-                        storage.read_runs(r.file, r.begin, runs)  # type: ignore[attr-defined]
-                        out[r.id] = view
-                        direct.add(id(own[0]))
-                        continue
-            buffered.append(r)
+            landed = _read_in_place(r, parts.get(r.id, ())) if local else None
+            if landed is not None:
+                out[r.id] = landed
+            elif checked.covers(r):
+                verified.append(r)
+            else:
+                buffered.append(r)
+        for rid, raw in (checked.read(verified) if verified else {}).items():
+            out[rid] = _band_view(readers_now[rid], raw, dtypes[readers_now[rid].tensor])
         bufs = read_bands(storage, [(r.file, r.begin, r.end) for r in buffered])
         for r, b in zip(buffered, bufs):
             out[r.id] = _band_view(r, b, dtypes[r.tensor])
         return [out[r.id] for r in mine]
 
+    def _read_in_place(r: Read, parts: Sequence[Part]) -> torch.Tensor | None:
+        """Read ``r`` straight into its destination (``preadv``), when it is exactly one
+        part of this rank and lands in a few long runs; None otherwise.
+
+        With a block table, the read is widened to whole blocks (the extra head and tail
+        bytes go to scratch buffers) and the blocks are checked right after they land,
+        while still in cache: a mismatch raises before any wave hook or caller sees them.
+        """
+        if dest_view is None or r.encoding != "raw":
+            return None
+        own = [p for p in parts if p.dest == me and p.box == r.box]
+        if not own:
+            return None
+        view = dest_view(own[0])
+        runs = tensor_runs(view) if view is not None else None
+        if view is None or runs is None or view.dtype != dtypes[r.tensor]:
+            return None
+        table = checked.tables.get(r.file)
+        if table is not None and not check_in_place:
+            return None
+        if table is None:
+            storage.read_runs(r.file, r.begin, runs)  # type: ignore[attr-defined]
+        else:
+            if r.nbytes < 2 * table.block_size or len(runs) > 2 + r.nbytes // MIN_CHECKED_RUN:
+                return None  # small reads coalesce better, short rows copy faster: map them
+            done = checked.done.setdefault(r.file, set())
+            lo, hi = table.widen(r.begin, r.end)
+            bs = table.block_size
+            if lo < r.begin and r.begin // bs in done:
+                lo = r.begin  # the partial head block was checked by an earlier read
+            if hi > r.end and (r.end - 1) // bs in done:
+                hi = r.end
+            pieces = [memoryview(bytearray(r.begin - lo)), *runs, memoryview(bytearray(hi - r.end))]
+            storage.read_runs(r.file, lo, pieces)  # type: ignore[attr-defined]
+            checked.bytes_fetched += hi - lo
+            checked.bytes_checked += table.check_pieces(lo, pieces, done)
+        direct.add(id(own[0]))
+        return view
+
     direct: set[int] = set()  # parts already in place (read straight into dest_view)
+    readers_now: dict[int, Read] = {}
     for i, wave in enumerate(plan.waves):
         readers = {r.id: r for r in wave.reads}
+        readers_now.clear()
+        readers_now.update(readers)
         mine = [r for r in wave.reads if r.reader == me]
         parts_of: dict[int, list[Part]] = {}
         for p in wave.parts:
