@@ -100,9 +100,12 @@ class CheckedReader:
     block is checked once per execution, however many reads share it.
     """
 
-    def __init__(self, storage: Any, tables: Mapping[str, BlockTable]) -> None:
+    def __init__(self, storage: Any, tables: Mapping[str, BlockTable], mapped: bool) -> None:
         self.storage = storage
         self.tables = tables
+        #: ``read_view`` maps the page cache, so the bytes read are exactly the blocks
+        #: checked, each once (other backends fetch whole spans, shared blocks again)
+        self.mapped = mapped
         self.done: dict[str, set[int]] = {}
         self.bytes_fetched = 0
         self.bytes_checked = 0
@@ -123,10 +126,9 @@ class CheckedReader:
                 spans.append((r.file, lo, hi, [r]))
         for name, lo, hi, rs in spans:
             view = self.storage.read_view(name, lo, hi)
-            self.bytes_fetched += hi - lo
-            self.bytes_checked += self.tables[name].check(
-                lo, view, self.done.setdefault(name, set())
-            )
+            newly = self.tables[name].check(lo, view, self.done.setdefault(name, set()))
+            self.bytes_checked += newly
+            self.bytes_fetched += newly if self.mapped else hi - lo
             whole = as_bytes(view)
             for r in rs:
                 out[r.id] = whole[r.begin - lo : r.end - lo]
@@ -186,21 +188,24 @@ def execute(
     pending: list[BaseException] = []
 
     local = isinstance(storage, LocalStorage)
-    checked = CheckedReader(storage, blocks or {})
+    checked = CheckedReader(storage, blocks or {}, mapped=local)
 
     def read_or_fail(mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         if pending:
             raise pending[0]
         out: dict[int, torch.Tensor] = {}
-        buffered, verified = [], []
-        for r in mine:
-            landed = _read_in_place(r, parts.get(r.id, ())) if local else None
-            if landed is not None:
-                out[r.id] = landed
+        buffered, verified, in_place = [], [], []
+        for r in sorted(mine, key=lambda r: (r.file, r.begin)):
+            if local and _fits_in_place(r, parts.get(r.id, ())):
+                in_place.append(r)
             elif checked.covers(r):
                 verified.append(r)
             else:
                 buffered.append(r)
+        # In-place reads first, in file order, so neighbours share their edge blocks; the
+        # mapped reads then skip the blocks those checked.
+        for r in in_place:
+            out[r.id] = _read_in_place(r, parts[r.id])
         for rid, raw in (checked.read(verified) if verified else {}).items():
             out[rid] = _band_view(readers_now[rid], raw, dtypes[readers_now[rid].tensor])
         bufs = read_bands(storage, [(r.file, r.begin, r.end) for r in buffered])
@@ -208,16 +213,16 @@ def execute(
             out[r.id] = _band_view(r, b, dtypes[r.tensor])
         return [out[r.id] for r in mine]
 
-    def _read_in_place(r: Read, parts: Sequence[Part]) -> torch.Tensor | None:
-        """Read ``r`` straight into its destination (``preadv``), when it is exactly one
-        part of this rank and lands in a few long runs; None otherwise.
-
-        With a block table, the read is widened to whole blocks (the extra head and tail
-        bytes go to scratch buffers) and the blocks are checked right after they land,
-        while still in cache: a mismatch raises before any wave hook or caller sees them.
-        """
+    def _in_place_target(
+        r: Read, parts: Sequence[Part]
+    ) -> tuple[Part, torch.Tensor, list[Any]] | None:
+        """(part, destination view, its memory runs) when ``r`` can be read straight into
+        its destination: it is exactly one part of this rank, landing in few long runs."""
         if dest_view is None or r.encoding != "raw":
             return None
+        table = checked.tables.get(r.file)
+        if table is not None and (not check_in_place or r.nbytes < 2 * table.block_size):
+            return None  # small checked reads coalesce better when mapped
         own = [p for p in parts if p.dest == me and p.box == r.box]
         if not own:
             return None
@@ -225,26 +230,43 @@ def execute(
         runs = tensor_runs(view) if view is not None else None
         if view is None or runs is None or view.dtype != dtypes[r.tensor]:
             return None
+        if table is not None and len(runs) > 2 + r.nbytes // MIN_CHECKED_RUN:
+            return None  # short rows: checking row by row costs more than map and copy
+        return own[0], view, runs
+
+    def _fits_in_place(r: Read, parts: Sequence[Part]) -> bool:
+        return _in_place_target(r, parts) is not None
+
+    def _read_in_place(r: Read, parts: Sequence[Part]) -> torch.Tensor:
+        """Read ``r`` straight into its destination (``preadv``).
+
+        With a block table, every block the read touches is checked: the whole ones right
+        after they land (still in cache), a partial one at either edge through the
+        page-cache map. A mismatch raises before any wave hook or caller sees the bytes.
+        """
+        target = _in_place_target(r, parts)
+        if target is None:  # pragma: no cover - _fits_in_place said yes
+            raise RuntimeError("read no longer fits in place")
+        part, view, runs = target
         table = checked.tables.get(r.file)
-        if table is not None and not check_in_place:
-            return None
         if table is None:
             storage.read_runs(r.file, r.begin, runs)  # type: ignore[attr-defined]
         else:
-            if r.nbytes < 2 * table.block_size or len(runs) > 2 + r.nbytes // MIN_CHECKED_RUN:
-                return None  # small reads coalesce better, short rows copy faster: map them
             done = checked.done.setdefault(r.file, set())
-            lo, hi = table.widen(r.begin, r.end)
             bs = table.block_size
-            if lo < r.begin and r.begin // bs in done:
-                lo = r.begin  # the partial head block was checked by an earlier read
-            if hi > r.end and (r.end - 1) // bs in done:
-                hi = r.end
-            pieces = [memoryview(bytearray(r.begin - lo)), *runs, memoryview(bytearray(hi - r.end))]
-            storage.read_runs(r.file, lo, pieces)  # type: ignore[attr-defined]
-            checked.bytes_fetched += hi - lo
-            checked.bytes_checked += table.check_pieces(lo, pieces, done)
-        direct.add(id(own[0]))
+            # Partial edge blocks are checked through the page-cache map (shared with the
+            # neighbouring reads, so each is checked once); the bytes the caller wants
+            # land in place and the whole blocks among them are checked there.
+            newly = 0
+            for b in {r.begin // bs, (r.end - 1) // bs}:
+                lo, hi = b * bs, min(table.size, (b + 1) * bs)
+                if b not in done and (lo < r.begin or hi > r.end):
+                    newly += table.check(lo, storage.read_view(r.file, lo, hi), done)
+            storage.read_runs(r.file, r.begin, runs)  # type: ignore[attr-defined]
+            newly += table.check_pieces(r.begin, runs, done)
+            checked.bytes_checked += newly
+            checked.bytes_fetched += newly  # local: each block read once, wholly
+        direct.add(id(part))
         return view
 
     direct: set[int] = set()  # parts already in place (read straight into dest_view)
