@@ -262,8 +262,20 @@ def execute(
                 lo, hi = b * bs, min(table.size, (b + 1) * bs)
                 if b not in done and (lo < r.begin or hi > r.end):
                     newly += table.check(lo, storage.read_view(r.file, lo, hi), done)
-            storage.read_runs(r.file, r.begin, runs)  # type: ignore[attr-defined]
-            newly += table.check_pieces(r.begin, runs, done)
+            # One preadv per block, checked at once while it is still in cache.
+            pos, batch, start = r.begin, [], r.begin
+            for run in runs:
+                off = 0
+                while off < run.nbytes:
+                    stop = min(table.size, (pos // bs + 1) * bs)
+                    take = min(run.nbytes - off, stop - pos)
+                    batch.append(run[off : off + take])
+                    off += take
+                    pos += take
+                    if pos == stop or pos == r.end:
+                        storage.read_runs(r.file, start, batch)  # type: ignore[attr-defined]
+                        newly += table.check_pieces(start, batch, done)
+                        batch, start = [], pos
             checked.bytes_checked += newly
             checked.bytes_fetched += newly  # local: each block read once, wholly
         direct.add(id(part))
