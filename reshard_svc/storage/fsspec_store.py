@@ -156,7 +156,8 @@ class FsspecStorage:
         """Nothing to refuse: a save here only adds files and never deletes foreign ones."""
 
     def staging(self, token: str) -> FsspecStorage:
-        return FsspecStorage(
+        # Same folder, same backend class: data files get a token suffix (see module doc).
+        return type(self)(
             self.uri,
             self.storage_options,
             file_suffix=f"-{token[:12]}",

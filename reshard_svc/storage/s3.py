@@ -146,12 +146,3 @@ class S3Storage(FsspecStorage):
     def write(self, name: str, data: bytes) -> None:
         with S3ChecksumWriter(self.fs, self.path(name)) as w:
             w.write(data)
-
-    def staging(self, token: str) -> S3Storage:
-        return S3Storage(
-            self.uri,
-            self.storage_options,
-            file_suffix=f"-{token[:12]}",
-            _fs=self.fs,
-            _root=self.root,
-        )

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import torch
 
 import reshard_svc
-
-
-def reshard(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reshard_client.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+from tests.cli import reshard
 
 
 def make(tmp_path) -> str:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ import torch
 import reshard_svc
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE
 from reshard_svc.errors import ChecksumError, CorruptCheckpointError
+from tests.cli import reshard as cli
 from tests.distributed import workloads
 from tests.distributed.harness import run
 
@@ -123,15 +122,6 @@ def test_verify_names_every_bad_block(cases):
         else:
             block = off // DEFAULT_BLOCK_SIZE
             assert f"(block {block})" in text and "CRC32C" in text, text
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "reshard_client.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.mark.distributed
