@@ -55,6 +55,9 @@ Progress = Callable[[ProgressInfo], None]
 DestView = Callable[[Part], "torch.Tensor | None"]
 
 
+#: Small reads of one file coalesce into mapped spans up to this size: big enough to share
+#: edge blocks, small enough that one slab waiting for its write keeps little else mapped.
+MAX_SPAN = 8 * 1024 * 1024
 #: Reads checked in place need runs at least this long on average (else: memory map + copy).
 MIN_CHECKED_RUN = 64 * 1024
 
@@ -119,7 +122,12 @@ class CheckedReader:
         spans: list[tuple[str, int, int, list[Read]]] = []
         for r in sorted(reads, key=lambda r: (r.file, r.begin)):
             lo, hi = self.tables[r.file].widen(r.begin, r.end)
-            if spans and spans[-1][0] == r.file and lo <= spans[-1][2]:
+            if (
+                spans
+                and spans[-1][0] == r.file
+                and lo <= spans[-1][2]
+                and max(hi, spans[-1][2]) - spans[-1][1] <= MAX_SPAN
+            ):
                 f, a, b, rs = spans[-1]
                 spans[-1] = (f, a, max(b, hi), [*rs, r])
             else:

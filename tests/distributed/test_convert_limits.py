@@ -33,7 +33,7 @@ def big_source(path: str, mib: int) -> dict[str, torch.Tensor]:
 
 def test_peak_memory_follows_the_budget_not_the_checkpoint(tmp_path):
     src = str(tmp_path / "src")
-    sd = big_source(src, 96)  # 96 MiB checkpoint
+    sd = big_source(src, 160)  # 160 MiB checkpoint: each worker writes 80 MiB
     budget = 8 * MiB
     res = run(
         workloads.convert_stage, 2, src, str(tmp_path / "dst"),
@@ -41,8 +41,10 @@ def test_peak_memory_follows_the_budget_not_the_checkpoint(tmp_path):
     )  # fmt: skip
     for r in res.values():
         growth = r["peak_rss_mb"] - r["rss_before_mb"]
-        # budget + fixed overhead, far below the 48 MiB each worker writes
-        assert growth < budget / MiB + 24, r
+        # Twice the budget (the peak counts the page-cache pages of the verified source
+        # maps, which slabs waiting for their writes keep mapped) + fixed overhead: far
+        # below the 80 MiB each worker writes.
+        assert growth < 2 * budget / MiB + 24, r
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     reshard_svc.load(out, str(tmp_path / "dst"))
     assert all(torch.equal(out[k], sd[k]) for k in sd)
