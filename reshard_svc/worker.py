@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rules", help="YAML/JSON file (or inline JSON) mapping tensor globs to placements"
     )
     c.add_argument("--format", choices=["native", "hf"], default="native")
-    c.add_argument("--dtype", help="cast on the fly: bf16, fp16 or fp32")
+    c.add_argument(
+        "--dtype", help="cast floating-point tensors on the fly: bf16, fp16, fp32 or fp64"
+    )
     c.add_argument("--strategy", choices=["auto", "exchange", "direct"], default="auto")
     c.add_argument("--max-memory", help="byte budget per worker, e.g. 1GiB")
     c.add_argument("--max-shard-size", help="HF export: cap per file, e.g. 5GB")

@@ -32,6 +32,24 @@ out = Console()
 err = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from reshard_svc import __version__
+
+        out.print(f"reshard {__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Inspect, verify and reshard PyTorch distributed checkpoints."""
+
+
 def _fail(e: Exception, code: int = 2) -> typer.Exit:
     err.print(f"[bold red]error:[/] {type(e).__name__}: {e}", highlight=False)
     return typer.Exit(code)
@@ -89,8 +107,7 @@ def verify(
     uri: Annotated[str, typer.Argument(help="Checkpoint folder to check end to end.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Check coverage, overlaps, byte ranges, sizes, headers and every block's CRC32C (and
-    sha256 where recorded). Exit 1 on problems."""
+    """Check sizes, headers, coverage and every block's CRC32C. Exit 1 on problems."""
     from reshard_svc import verify as do_verify
 
     bar = Progress(
@@ -160,7 +177,10 @@ def convert(
     format: Annotated[
         str, typer.Option(help="native, or hf for one consolidated HF folder.")
     ] = "native",
-    dtype: Annotated[str | None, typer.Option(help="Cast on the fly: bf16, fp16 or fp32.")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="Cast floating-point tensors on the fly: bf16, fp16, fp32 or fp64."),
+    ] = None,
     strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
     max_memory: Annotated[str, typer.Option(help="Byte budget per worker, e.g. 1GiB.")] = "1GiB",
     max_shard_size: Annotated[str, typer.Option(help="HF export: cap per file.")] = "5GB",
@@ -386,11 +406,18 @@ def submit(
         spec["dtype"] = dtype
     if max_memory:
         spec["max_memory"] = max_memory
+    from pydantic import ValidationError
+
+    from reshard_server.schemas import JobCreate
+
+    try:
+        JobCreate(**spec)
+    except ValidationError as e:  # the server would answer 422: say so without a traceback
+        fields = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}" for d in e.errors())
+        err.print(f"[bold red]error:[/] invalid job: {fields}", highlight=False)
+        raise typer.Exit(2) from None
     with _client(url, token) as client:
-        try:
-            job = _remote(lambda: client.submit(spec, idempotency_key=idempotency_key))
-        except typer.Exit:
-            raise
+        job = _remote(lambda: client.submit(spec, idempotency_key=idempotency_key))
         if not as_json:
             err.print(f"submitted job {job.id} ({job.state.value})", highlight=False)
         if wait:

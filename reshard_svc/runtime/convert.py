@@ -24,7 +24,7 @@ import torch
 
 from reshard_svc import __version__
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
-from reshard_svc.errors import CheckpointError, LayoutError
+from reshard_svc.errors import CheckpointError, LayoutError, UsageError
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.layout import Box, Layout, Mesh
 from reshard_svc.read_plan import Part, ReadPlan, Wave, band_limit, plan_reads, row_step, split_rows
@@ -71,6 +71,25 @@ def parse_size(text: str | int | None) -> int | None:
     if unit not in units or value <= 0:
         raise LayoutError(f"size {text!r}: use a positive number and a unit such as MiB or GB")
     return int(value * units[unit])
+
+
+#: What ``dtype=`` may cast floating-point tensors to.
+CAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        out = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    except CheckpointError as e:
+        raise UsageError(f"--dtype {dtype!r}: {e}") from None
+    if out not in CAST_DTYPES:
+        raise UsageError(
+            f"--dtype {dtype!r} would destroy floating-point weights: cast only to bf16, "
+            "fp16, fp32 or fp64 (quantize with a quantization tool instead)"
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -214,7 +233,7 @@ def convert(
         raise LayoutError(f"strategy must be auto, exchange or direct, got {strategy!r}")
     budget = parse_size(max_memory) or DEFAULT_CONVERT_MEMORY
     shard_cap = parse_size(max_shard_size) or DEFAULT_SHARD_SIZE
-    out_dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    out_dtype = _cast_dtype(dtype)
     comm = Comm(process_group)
     storage, index = open_shared(src, comm, storage_options)
     target = open_storage(dst, storage_options)
@@ -232,7 +251,12 @@ def convert(
     _, infos = comm.run_everywhere("convert: planning target layouts", prepare)
     token = infos[0]["token"]
     staging = target.staging(token)
-    dtypes = {n: out_dtype or m.dtype for n, m in index.tensors.items()}
+    # A cast applies to floating-point tensors; integer and bool tensors (step counters,
+    # masks) keep their dtype.
+    dtypes = {
+        n: out_dtype if out_dtype is not None and m.dtype.is_floating_point else m.dtype
+        for n, m in index.tensors.items()
+    }
     if format == "native":
         out = plan_native(index, state["layouts"], dtypes, comm.world, token, staging.file_suffix)
     else:

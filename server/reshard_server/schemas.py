@@ -8,7 +8,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 __all__ = [
     "CheckpointInfo",
@@ -53,7 +53,7 @@ class JobCreate(BaseModel):
     )
     format: Literal["native", "hf"] = "native"
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
-    workers: Annotated[int, Field(ge=1, le=4096)] = 1
+    workers: Annotated[StrictInt, Field(ge=1, le=4096)] = 1
     strategy: Literal["auto", "exchange", "direct"] = "auto"
     checksum: Literal["crc32c", "sha256", "none"] = Field(
         default="crc32c", description="what the output records (crc32c block CRCs by default)"

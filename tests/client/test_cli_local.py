@@ -68,3 +68,40 @@ def test_convert_with_workers_and_hf_export(tmp_path):
     assert reshard_svc.inspect(hf).tensors["w"].dtype == torch.float16
     r = reshard("convert", src, str(tmp_path / "bad"), "--mesh", "tp=two")
     assert r.returncode == 2 and "tp=two" in r.stderr
+
+
+def test_version():
+    r = reshard("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"reshard {reshard_svc.__version__}"
+
+
+def test_integer_and_float8_casts_are_refused(tmp_path):
+    src = make(tmp_path)
+    for dtype in ("int8", "float8_e4m3fn", "q4"):
+        dst = str(tmp_path / f"out-{dtype}")
+        r = reshard("convert", src, dst, "--dtype", dtype)
+        assert r.returncode == 2 and "error:" in r.stderr and dtype in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not os.path.exists(dst)
+
+
+def test_cast_leaves_integer_tensors_alone(tmp_path):
+    src = str(tmp_path / "ck")
+    reshard_svc.save({"w": torch.randn(4, 4), "step": torch.tensor(7)}, src)
+    dst = str(tmp_path / "half")
+    reshard_svc.convert(src, dst, dtype="bf16")
+    index = reshard_svc.inspect(dst)
+    assert index.tensors["w"].dtype == torch.bfloat16
+    assert index.tensors["step"].dtype == torch.int64
+
+
+def test_submit_with_invalid_values_prints_one_error_line(tmp_path):
+    for args in (
+        ["--dtype", "int3"],
+        ["--format", "zip"],
+        ["--strategy", "fast"],
+        ["--max-memory", "lots"],
+        ["--checksum", "md5"],
+    ):
+        r = reshard("submit", "/a", "/b", *args, "--url", "http://127.0.0.1:9")
+        assert r.returncode == 2, (args, r.stderr)
+        assert "error: invalid job" in r.stderr and "Traceback" not in r.stderr, r.stderr

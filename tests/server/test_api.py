@@ -66,6 +66,9 @@ def test_paths_outside_roots_are_refused(server, tmp_path):
     ("patch", "field"),
     [
         ({"workers": 0}, "workers"),
+        ({"workers": True}, "workers"),
+        ({"workers": "2"}, "workers"),
+        ({"checksum": "md5"}, "checksum"),
         ({"mesh": {"tp": 0}}, "mesh"),
         ({"mesh": {"t p": 2}}, "mesh"),
         ({"mesh": {"a": 2048, "b": 2048}}, "mesh"),
