@@ -159,6 +159,133 @@ def _band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return t.to(dtype).contiguous()
 
 
+class WaveReader:
+    """One rank's reads of each wave, each the cheapest safe way.
+
+    * **in place**: a read that is exactly one part of this rank, landing in a few long
+      runs of a local destination, is read straight into it (``preadv``);
+    * **mapped and checked**: any other read of a file with a block table goes through
+      :class:`CheckedReader`;
+    * **buffered**: the rest (no block table, or object stores) is read into fresh buffers.
+
+    ``direct`` holds the parts that already sit in their destination, so the executor
+    does not hand them to its sink.
+    """
+
+    def __init__(
+        self,
+        storage: Any,
+        dtypes: Mapping[str, torch.dtype],
+        rank: int,
+        dest_view: DestView | None,
+        tables: Mapping[str, BlockTable],
+        check_in_place: bool,
+    ) -> None:
+        self.storage = storage
+        self.dtypes = dtypes
+        self.rank = rank
+        self.dest_view = dest_view
+        self.local = isinstance(storage, LocalStorage)
+        self.checked = CheckedReader(storage, tables, mapped=self.local)
+        self.check_in_place = check_in_place
+        self.direct: set[int] = set()
+
+    def read(self, mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
+        """This rank's reads of one wave, in order, as tensors of each read's box."""
+        out: dict[int, torch.Tensor] = {}
+        buffered, verified, in_place = [], [], []
+        for r in sorted(mine, key=lambda r: (r.file, r.begin)):
+            if self.local and self._in_place_target(r, parts.get(r.id, ())) is not None:
+                in_place.append(r)
+            elif self.checked.covers(r):
+                verified.append(r)
+            else:
+                buffered.append(r)
+        # In-place reads first, in file order, so neighbours share their edge blocks; the
+        # mapped reads then skip the blocks those checked.
+        for r in in_place:
+            out[r.id] = self._read_in_place(r, parts[r.id])
+        by_id = {r.id: r for r in verified}
+        for rid, raw in (self.checked.read(verified) if verified else {}).items():
+            out[rid] = _band_view(by_id[rid], raw, self.dtypes[by_id[rid].tensor])
+        bufs = read_bands(self.storage, [(r.file, r.begin, r.end) for r in buffered])
+        for r, b in zip(buffered, bufs):
+            out[r.id] = _band_view(r, b, self.dtypes[r.tensor])
+        return [out[r.id] for r in mine]
+
+    def _in_place_target(
+        self, r: Read, parts: Sequence[Part]
+    ) -> tuple[Part, torch.Tensor, list[Any]] | None:
+        """(part, destination view, its memory runs) when ``r`` can be read straight into
+        its destination: it is exactly one part of this rank, landing in few long runs."""
+        if self.dest_view is None or r.encoding != "raw":
+            return None
+        table = self.checked.tables.get(r.file)
+        if table is not None and (not self.check_in_place or r.nbytes < 2 * table.block_size):
+            return None  # small checked reads coalesce better when mapped
+        own = [p for p in parts if p.dest == self.rank and p.box == r.box]
+        if not own:
+            return None
+        view = self.dest_view(own[0])
+        runs = tensor_runs(view) if view is not None else None
+        if view is None or runs is None or view.dtype != self.dtypes[r.tensor]:
+            return None
+        if table is not None and len(runs) > 2 + r.nbytes // MIN_CHECKED_RUN:
+            return None  # short rows: checking row by row costs more than map and copy
+        return own[0], view, runs
+
+    def _read_in_place(self, r: Read, parts: Sequence[Part]) -> torch.Tensor:
+        """Read ``r`` straight into its destination (``preadv``).
+
+        With a block table, every block the read touches is checked: the whole ones right
+        after they land (still in cache), a partial one at either edge through the
+        page-cache map. A mismatch raises before any wave hook or caller sees the bytes.
+        """
+        target = self._in_place_target(r, parts)
+        if target is None:  # pragma: no cover - read() just said it fits
+            raise RuntimeError("read no longer fits in place")
+        part, view, runs = target
+        table = self.checked.tables.get(r.file)
+        if table is None:
+            self.storage.read_runs(r.file, r.begin, runs)
+        else:
+            newly = self._check_edges(r, table) + self._read_checked_blocks(r, table, runs)
+            self.checked.bytes_checked += newly
+            self.checked.bytes_fetched += newly  # local: each block read once, wholly
+        self.direct.add(id(part))
+        return view
+
+    def _check_edges(self, r: Read, table: BlockTable) -> int:
+        """Check the partial blocks at either edge of ``r`` through the page-cache map
+        (shared with the neighbouring reads, so each is checked once)."""
+        done = self.checked.done.setdefault(r.file, set())
+        bs, newly = table.block_size, 0
+        for b in {r.begin // bs, (r.end - 1) // bs}:
+            lo, hi = b * bs, min(table.size, (b + 1) * bs)
+            if b not in done and (lo < r.begin or hi > r.end):
+                newly += table.check(lo, self.storage.read_view(r.file, lo, hi), done)
+        return newly
+
+    def _read_checked_blocks(self, r: Read, table: BlockTable, runs: list[Any]) -> int:
+        """``preadv`` ``r`` into ``runs`` one block at a time, checking each at once."""
+        done = self.checked.done.setdefault(r.file, set())
+        bs, newly = table.block_size, 0
+        pos, batch, start = r.begin, [], r.begin
+        for run in runs:
+            off = 0
+            while off < run.nbytes:
+                stop = min(table.size, (pos // bs + 1) * bs)
+                take = min(run.nbytes - off, stop - pos)
+                batch.append(run[off : off + take])
+                off += take
+                pos += take
+                if pos == stop or pos == r.end:
+                    self.storage.read_runs(r.file, start, batch)
+                    newly += table.check_pieces(start, batch, done)
+                    batch, start = [], pos
+        return newly
+
+
 def execute(
     plan: ReadPlan,
     storage: FsspecStorage,
@@ -177,7 +304,7 @@ def execute(
     whole blocks and checked (:class:`CheckedReader`) before any byte is used; a
     mismatch raises :class:`~reshard_svc.errors.ChecksumError` on this rank and fails
     every rank at the wave's agreement point. ``check_in_place`` lets a checked read land
-    in its destination first (see ``_read_in_place``); ``convert`` turns it off, since
+    in its destination first (see :class:`WaveReader`); ``convert`` turns it off, since
     it writes verified memory-mapped source bytes to its files without any copy.
 
     ``on_wave_end(wave)`` runs after every part of the wave reached its sink.
@@ -195,117 +322,26 @@ def execute(
     # rank fails together instead of leaving peers blocked in all_to_all.
     pending: list[BaseException] = []
 
-    local = isinstance(storage, LocalStorage)
-    checked = CheckedReader(storage, blocks or {}, mapped=local)
+    reader = WaveReader(storage, dtypes, me, dest_view, blocks or {}, check_in_place)
 
     def read_or_fail(mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         if pending:
             raise pending[0]
-        out: dict[int, torch.Tensor] = {}
-        buffered, verified, in_place = [], [], []
-        for r in sorted(mine, key=lambda r: (r.file, r.begin)):
-            if local and _fits_in_place(r, parts.get(r.id, ())):
-                in_place.append(r)
-            elif checked.covers(r):
-                verified.append(r)
-            else:
-                buffered.append(r)
-        # In-place reads first, in file order, so neighbours share their edge blocks; the
-        # mapped reads then skip the blocks those checked.
-        for r in in_place:
-            out[r.id] = _read_in_place(r, parts[r.id])
-        for rid, raw in (checked.read(verified) if verified else {}).items():
-            out[rid] = _band_view(readers_now[rid], raw, dtypes[readers_now[rid].tensor])
-        bufs = read_bands(storage, [(r.file, r.begin, r.end) for r in buffered])
-        for r, b in zip(buffered, bufs):
-            out[r.id] = _band_view(r, b, dtypes[r.tensor])
-        return [out[r.id] for r in mine]
+        return reader.read(mine, parts)
 
-    def _in_place_target(
-        r: Read, parts: Sequence[Part]
-    ) -> tuple[Part, torch.Tensor, list[Any]] | None:
-        """(part, destination view, its memory runs) when ``r`` can be read straight into
-        its destination: it is exactly one part of this rank, landing in few long runs."""
-        if dest_view is None or r.encoding != "raw":
-            return None
-        table = checked.tables.get(r.file)
-        if table is not None and (not check_in_place or r.nbytes < 2 * table.block_size):
-            return None  # small checked reads coalesce better when mapped
-        own = [p for p in parts if p.dest == me and p.box == r.box]
-        if not own:
-            return None
-        view = dest_view(own[0])
-        runs = tensor_runs(view) if view is not None else None
-        if view is None or runs is None or view.dtype != dtypes[r.tensor]:
-            return None
-        if table is not None and len(runs) > 2 + r.nbytes // MIN_CHECKED_RUN:
-            return None  # short rows: checking row by row costs more than map and copy
-        return own[0], view, runs
-
-    def _fits_in_place(r: Read, parts: Sequence[Part]) -> bool:
-        return _in_place_target(r, parts) is not None
-
-    def _read_in_place(r: Read, parts: Sequence[Part]) -> torch.Tensor:
-        """Read ``r`` straight into its destination (``preadv``).
-
-        With a block table, every block the read touches is checked: the whole ones right
-        after they land (still in cache), a partial one at either edge through the
-        page-cache map. A mismatch raises before any wave hook or caller sees the bytes.
-        """
-        target = _in_place_target(r, parts)
-        if target is None:  # pragma: no cover - _fits_in_place said yes
-            raise RuntimeError("read no longer fits in place")
-        part, view, runs = target
-        table = checked.tables.get(r.file)
-        if table is None:
-            storage.read_runs(r.file, r.begin, runs)  # type: ignore[attr-defined]
-        else:
-            done = checked.done.setdefault(r.file, set())
-            bs = table.block_size
-            # Partial edge blocks are checked through the page-cache map (shared with the
-            # neighbouring reads, so each is checked once); the bytes the caller wants
-            # land in place and the whole blocks among them are checked there.
-            newly = 0
-            for b in {r.begin // bs, (r.end - 1) // bs}:
-                lo, hi = b * bs, min(table.size, (b + 1) * bs)
-                if b not in done and (lo < r.begin or hi > r.end):
-                    newly += table.check(lo, storage.read_view(r.file, lo, hi), done)
-            # One preadv per block, checked at once while it is still in cache.
-            pos, batch, start = r.begin, [], r.begin
-            for run in runs:
-                off = 0
-                while off < run.nbytes:
-                    stop = min(table.size, (pos // bs + 1) * bs)
-                    take = min(run.nbytes - off, stop - pos)
-                    batch.append(run[off : off + take])
-                    off += take
-                    pos += take
-                    if pos == stop or pos == r.end:
-                        storage.read_runs(r.file, start, batch)  # type: ignore[attr-defined]
-                        newly += table.check_pieces(start, batch, done)
-                        batch, start = [], pos
-            checked.bytes_checked += newly
-            checked.bytes_fetched += newly  # local: each block read once, wholly
-        direct.add(id(part))
-        return view
-
-    direct: set[int] = set()  # parts already in place (read straight into dest_view)
-    readers_now: dict[int, Read] = {}
     for i, wave in enumerate(plan.waves):
         readers = {r.id: r for r in wave.reads}
-        readers_now.clear()
-        readers_now.update(readers)
         mine = [r for r in wave.reads if r.reader == me]
         parts_of: dict[int, list[Part]] = {}
         for p in wave.parts:
             if readers[p.read].reader == me:
                 parts_of.setdefault(p.read, []).append(p)
-        direct.clear()
+        reader.direct.clear()
         views, _ = comm.run_everywhere(
             f"reading wave {i + 1}/{len(plan.waves)}",
             functools.partial(read_or_fail, mine, parts_of),
         )
-        bytes_read += sum(r.nbytes for r in mine if not checked.covers(r))
+        bytes_read += sum(r.nbytes for r in mine if not reader.checked.covers(r))
         bands = {r.id: v for r, v in zip(mine, views)}
         del views
 
@@ -336,7 +372,7 @@ def execute(
             recv = torch.empty(0, dtype=torch.uint8)
         try:
             for p in wave.parts:
-                if p.dest == me and readers[p.read].reader == me and id(p) not in direct:
+                if p.dest == me and readers[p.read].reader == me and id(p) not in reader.direct:
                     sink(p, piece(p))
             off = 0
             for p in crossing:
@@ -354,4 +390,4 @@ def execute(
         if progress is not None:
             progress(ProgressInfo(done, total, tensors_done, tensors_total))
     comm.run_everywhere("finishing the exchange", lambda: read_or_fail([], {}))
-    return bytes_read + checked.bytes_fetched
+    return bytes_read + reader.checked.bytes_fetched
