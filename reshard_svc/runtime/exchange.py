@@ -193,18 +193,20 @@ class WaveReader:
     def read(self, mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         """This rank's reads of one wave, in order, as tensors of each read's box."""
         out: dict[int, torch.Tensor] = {}
-        buffered, verified, in_place = [], [], []
+        buffered, verified = [], []
+        in_place: list[tuple[Read, tuple[Part, torch.Tensor, list[Any]]]] = []
         for r in sorted(mine, key=lambda r: (r.file, r.begin)):
-            if self.local and self._in_place_target(r, parts.get(r.id, ())) is not None:
-                in_place.append(r)
+            target = self._in_place_target(r, parts.get(r.id, ())) if self.local else None
+            if target is not None:
+                in_place.append((r, target))
             elif self.checked.covers(r):
                 verified.append(r)
             else:
                 buffered.append(r)
         # In-place reads first, in file order, so neighbours share their edge blocks; the
         # mapped reads then skip the blocks those checked.
-        for r in in_place:
-            out[r.id] = self._read_in_place(r, parts[r.id])
+        for r, target in in_place:
+            out[r.id] = self._read_in_place(r, *target)
         by_id = {r.id: r for r in verified}
         for rid, raw in (self.checked.read(verified) if verified else {}).items():
             out[rid] = _band_view(by_id[rid], raw, self.dtypes[by_id[rid].tensor])
@@ -234,17 +236,15 @@ class WaveReader:
             return None  # short rows: checking row by row costs more than map and copy
         return own[0], view, runs
 
-    def _read_in_place(self, r: Read, parts: Sequence[Part]) -> torch.Tensor:
+    def _read_in_place(
+        self, r: Read, part: Part, view: torch.Tensor, runs: list[Any]
+    ) -> torch.Tensor:
         """Read ``r`` straight into its destination (``preadv``).
 
         With a block table, every block the read touches is checked: the whole ones right
         after they land (still in cache), a partial one at either edge through the
         page-cache map. A mismatch raises before any wave hook or caller sees the bytes.
         """
-        target = self._in_place_target(r, parts)
-        if target is None:  # pragma: no cover - read() just said it fits
-            raise RuntimeError("read no longer fits in place")
-        part, view, runs = target
         table = self.checked.tables.get(r.file)
         if table is None:
             self.storage.read_runs(r.file, r.begin, runs)
