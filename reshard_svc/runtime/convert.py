@@ -26,6 +26,7 @@ from reshard_svc import __version__
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
 from reshard_svc.errors import CheckpointError, LayoutError, UsageError
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.jobspec import parse_dtype, parse_size
 from reshard_svc.layout import Box, Layout, Mesh
 from reshard_svc.read_plan import Part, ReadPlan, Wave, band_limit, plan_reads, row_step, split_rows
 from reshard_svc.rules import resolve_layouts
@@ -52,27 +53,6 @@ REMOTE = {"latency_s": 3e-2, "bandwidth": 5e8}
 EXCHANGE_BANDWIDTH = 2.5e9
 
 
-def parse_size(text: str | int | None) -> int | None:
-    """``1GiB``, ``512MB``, ``1e9`` or an int -> bytes."""
-    if text is None or isinstance(text, int):
-        return text
-    t = str(text).strip()
-    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-             "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
-             "tb": 1000**4, "tib": 1024**4}  # fmt: skip
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
-    unit = t[len(num) :].strip().lower()
-    try:
-        value = float(num)
-    except ValueError:
-        raise LayoutError(
-            f"size {text!r} is not a number with an optional unit like 1GiB"
-        ) from None
-    if unit not in units or value <= 0:
-        raise LayoutError(f"size {text!r}: use a positive number and a unit such as MiB or GB")
-    return int(value * units[unit])
-
-
 #: What ``dtype=`` may cast floating-point tensors to.
 CAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -80,16 +60,14 @@ CAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None:
         return None
-    try:
-        out = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
-    except CheckpointError as e:
-        raise UsageError(f"--dtype {dtype!r}: {e}") from None
-    if out not in CAST_DTYPES:
+    if isinstance(dtype, str):
+        return dtype_from_name(parse_dtype(dtype))  # type: ignore[arg-type]
+    if dtype not in CAST_DTYPES:
         raise UsageError(
-            f"--dtype {dtype!r} would destroy floating-point weights: cast only to bf16, "
+            f"dtype {dtype} would destroy floating-point weights: cast only to bf16, "
             "fp16, fp32 or fp64 (quantize with a quantization tool instead)"
         )
-    return out
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -228,11 +206,11 @@ def convert(
     """
     algorithm = check_algorithm(checksum)
     if format not in ("native", "hf"):
-        raise LayoutError(f"format must be 'native' or 'hf', got {format!r}")
+        raise UsageError(f"format must be 'native' or 'hf', got {format!r}")
     if strategy not in ("auto", "exchange", "direct"):
-        raise LayoutError(f"strategy must be auto, exchange or direct, got {strategy!r}")
-    budget = parse_size(max_memory) or DEFAULT_CONVERT_MEMORY
-    shard_cap = parse_size(max_shard_size) or DEFAULT_SHARD_SIZE
+        raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
+    budget = parse_size(max_memory, "max_memory") or DEFAULT_CONVERT_MEMORY
+    shard_cap = parse_size(max_shard_size, "max_shard_size") or DEFAULT_SHARD_SIZE
     out_dtype = _cast_dtype(dtype)
     comm = Comm(process_group)
     storage, index = open_shared(src, comm, storage_options)

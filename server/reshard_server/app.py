@@ -14,7 +14,7 @@ from reshard_server.api.routes import checkpoints, health, jobs
 from reshard_server.config import Settings
 from reshard_server.db import JobStore
 from reshard_server.jobs import JobManager
-from reshard_server.launcher import Launcher, LocalLauncher
+from reshard_server.launcher import Launcher, make_launcher
 from reshard_server.metrics import Metrics
 
 __all__ = ["create_app"]
@@ -87,15 +87,13 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = JobStore(settings.db)
-        manager = JobManager(
-            settings, store, launcher or LocalLauncher(settings.worker_python or None)
-        )
+        manager = JobManager(settings, store, launcher or make_launcher(settings))
         app.state.store, app.state.manager = store, manager
-        await manager.start()
+        manager.start()
         try:
             yield
         finally:
-            await manager.stop()
+            manager.stop()
             store.close()
 
     app = FastAPI(
@@ -108,6 +106,7 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
     app.state.metrics = Metrics(app.state)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(jobs.callbacks)
     app.include_router(checkpoints.router)
     app.add_middleware(CountRequests, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)

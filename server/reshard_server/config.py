@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -29,7 +29,47 @@ class Settings(BaseSettings):
     port: int = 8000
     max_running: int = Field(default=1, ge=1)
     max_queued: int = Field(default=16, ge=0)
-    max_workers: int = Field(default=8, ge=1, description="largest 'workers' a job may ask for")
+    max_workers: int = Field(
+        default=8, ge=1, description="most workers (nodes x workers_per_node) a job may ask for"
+    )
+    max_nodes: int = Field(default=64, ge=1, description="most nodes a job may ask for")
+    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+        default="local", description="where workers run: this host, Slurm or Kubeflow Trainer"
+    )
+    public_url: str = Field(
+        default="",
+        description="URL workers reach this server at, for progress callbacks "
+        "(default: http://HOST:PORT of the listening socket)",
+    )
+    # Slurm (RESHARD_LAUNCHER=slurm)
+    slurm_partition: str = ""
+    slurm_account: str = ""
+    slurm_time: str = Field(default="", description="sbatch --time, e.g. 02:00:00")
+    slurm_gpus_per_node: int = Field(default=0, ge=0)
+    slurm_extra_args: str = Field(default="", description="more sbatch options, shell-quoted")
+    slurm_log_dir: str = Field(
+        default="", description="job logs; on storage the server can read (default DATA_DIR/slurm)"
+    )
+    # Kubernetes (RESHARD_LAUNCHER=kubernetes)
+    k8s_namespace: str = "default"
+    k8s_image: str = Field(default="", description="worker image with reshard-svc installed")
+    k8s_runtime: str = Field(default="torch-distributed", description="ClusterTrainingRuntime")
+    k8s_gpus_per_node: int = Field(default=0, ge=0)
+    k8s_service_account: str = ""
+    k8s_storage_secret: str = Field(
+        default="", description="Secret whose keys become the workers' storage credentials"
+    )
+    k8s_secret_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN",
+            "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL",
+            "FSSPEC_S3_ENDPOINT_URL",
+        ],  # fmt: skip
+        description="keys of the storage Secret passed to workers (missing ones are skipped)",
+    )
     max_body_bytes: int = Field(default=64 * 1024, ge=1024)
     cancel_grace_s: float = Field(default=10.0, ge=0)
     max_retries: int = Field(default=2, ge=0, description="re-queues after a server restart")
@@ -39,7 +79,7 @@ class Settings(BaseSettings):
     worker_python: str = Field(default="", description="python for workers (default: this one)")
     poll_interval_s: float = Field(default=0.2, gt=0)
 
-    @field_validator("roots", mode="before")
+    @field_validator("roots", "k8s_secret_keys", mode="before")
     @classmethod
     def _split_roots(cls, v: object) -> object:
         if isinstance(v, str):
@@ -50,6 +90,17 @@ class Settings(BaseSettings):
         p = Path(self.data_dir) / "jobs"
         p.mkdir(parents=True, exist_ok=True)
         return p
+
+    def callback_base(self) -> str:
+        """Where workers POST progress: ``RESHARD_PUBLIC_URL`` or the listening address."""
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            import socket
+
+            host = socket.getfqdn()
+        return f"http://{host}:{self.port}"
 
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)

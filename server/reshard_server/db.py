@@ -31,6 +31,13 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
 """
+#: Columns added after the first release, with their types (added on open when missing).
+COLUMNS = {
+    "engine": "TEXT",  # which launcher ran the job
+    "handle": "TEXT",  # the engine's JSON handle (PID, Slurm job id, TrainJob name)
+    "token_hash": "TEXT",  # sha256 of the job's callback token
+    "final": "TEXT",  # the workers' done/error event, as JSON
+}
 
 
 class QueueFull(Exception):
@@ -51,6 +58,9 @@ class JobRow:
     error: str | None
     attempts: int
     cancel_requested: bool
+    engine: str | None = None
+    handle: dict[str, Any] | None = None
+    final: dict[str, Any] | None = None
 
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> JobRow:
@@ -67,6 +77,9 @@ class JobRow:
             error=r["error"],
             attempts=r["attempts"],
             cancel_requested=bool(r["cancel_requested"]),
+            engine=r["engine"],
+            handle=json.loads(r["handle"]) if r["handle"] else None,
+            final=json.loads(r["final"]) if r["final"] else None,
         )
 
 
@@ -81,6 +94,10 @@ class JobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        for name, kind in COLUMNS.items():
+            if name not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -149,15 +166,27 @@ class JobStore:
             rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
         return {r[0]: r[1] for r in rows}
 
+    def by_token_hash(self, token_hash: str) -> str | None:
+        """The id of the job whose callback token hashes to ``token_hash``."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id FROM jobs WHERE token_hash=?", (token_hash,)
+            ).fetchone()
+        return row[0] if row else None
+
     def update(self, job_id: str, **fields: Any) -> None:
-        if "progress" in fields:
-            fields["progress"] = json.dumps(fields["progress"])
+        for key in ("progress", "handle", "final"):
+            if key in fields and fields[key] is not None:
+                fields[key] = json.dumps(fields[key])
         cols = ", ".join(f"{k}=?" for k in fields)
         with self._lock:
             self._db.execute(f"UPDATE jobs SET {cols} WHERE id=?", (*fields.values(), job_id))
 
     def transition(self, job_id: str, from_states: tuple[str, ...], **fields: Any) -> bool:
         """Update only if the job is in one of ``from_states``; True when it was."""
+        for key in ("progress", "handle", "final"):
+            if key in fields and fields[key] is not None:
+                fields[key] = json.dumps(fields[key])
         cols = ", ".join(f"{k}=?" for k in fields)
         marks = ",".join("?" * len(from_states))
         with self._lock:

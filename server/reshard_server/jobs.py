@@ -1,53 +1,44 @@
 """The job manager: queue -> running -> succeeded | failed | cancelled.
 
-One asyncio task polls every ``poll_interval_s``: it folds workers' progress lines into
-the database, reaps finished launches, escalates cancels (SIGTERM, then SIGKILL after the
-grace period) and starts queued jobs while fewer than ``max_running`` run.
+One asyncio task polls every ``poll_interval_s``: it asks the engine (the launcher) about
+every running job, escalates cancels (SIGTERM, then a kill after the grace period) and
+submits queued jobs while fewer than ``max_running`` run.
 
-On start-up, jobs the database still calls running are reconciled: their leftover
-processes are killed; a job whose workers reported ``done`` succeeded; a job whose target
-is not committed is re-queued up to ``max_retries`` times; otherwise it fails with a
-reason. A cancelled or failed job never commits (workers commit last, and die first).
+The engine's word decides how a job ends: workers exit 0 only after the target is
+committed, so a job whose workers were OOM-killed ends ``failed`` with the engine's reason
+even if no ``error`` event arrived. Progress and the workers' ``done``/``error`` events
+come over HTTP (:meth:`JobManager.on_event`), authenticated by a token minted per job and
+attempt; only its sha256 is stored.
+
+On start-up, jobs the database still calls running are re-attached: the engine is asked
+about their stored handle. One still pending or running is left to run (nothing is
+launched twice); one that ended is concluded as above. A ``lost`` job (local workers die
+with the server) whose target is not committed is re-queued up to ``max_retries`` times.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
+import hashlib
 import logging
-import signal
+import secrets
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore
-from reshard_server.launcher import Launcher
+from reshard_server.launcher import EngineStatus, Launch, Launcher
+from reshard_svc.callback import CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
+from reshard_svc.jobspec import ConvertSpec
 
-__all__ = ["JobManager"]
+__all__ = ["JobManager", "token_hash"]
 
 logger = logging.getLogger(__name__)
+PROGRESS_KEYS = ("bytes_done", "bytes_total", "tensors_done", "tensors_total")
 
 
-def _last_lines(path: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(newest progress record, final done/error record) of a job's progress file."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return None, None
-    progress = final = None
-    for line in reversed(lines):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
-        if rec.get("event") in ("done", "error") and final is None:
-            final = rec
-        if rec.get("event") == "progress" and progress is None:
-            progress = rec
-        if progress and final:
-            break
-    return progress, final
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class JobManager:
@@ -58,68 +49,108 @@ class JobManager:
         self.store = store
         self.launcher = launcher
         self._cancel_at: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.bytes_converted = 0
 
-    # ---- paths
-
-    def log_path(self, job_id: str) -> Path:
+    def log_path(self, job_id: str) -> Any:
         return self.settings.log_dir() / f"{job_id}.log"
-
-    def progress_path(self, job_id: str) -> Path:
-        return self.settings.log_dir() / f"{job_id}.progress.jsonl"
 
     # ---- lifecycle
 
-    async def start(self) -> None:
+    def start(self) -> None:
+        """Reconcile, then poll on one long-lived thread (engine calls block; local workers
+        are its children and die with it, by ``PR_SET_PDEATHSIG``)."""
         self.reconcile()
-        self._task = asyncio.create_task(self._loop(), name="reshard-job-manager")
+        self._thread = threading.Thread(target=self._loop, name="reshard-job-manager", daemon=True)
+        self._thread.start()
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        # Leave running jobs 'running': their workers die with us (PDEATHSIG) and the
-        # next start-up re-queues them.
-        for job in self.store.in_state("running"):
-            self.launcher.signal(job.id, signal.SIGTERM)
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
-    async def _loop(self) -> None:
-        while True:
+    def _loop(self) -> None:
+        while not self._stop.is_set():
             try:
                 self.tick()
             except Exception:  # keep the manager alive; the error is in the server log
                 logger.exception("job manager tick failed")
-            await asyncio.sleep(self.settings.poll_interval_s)
+            self._stop.wait(self.settings.poll_interval_s)
 
     def reconcile(self) -> None:
-        """Fix up jobs a previous server process left running."""
+        """Re-attach the jobs a previous server process left running."""
         for job in self.store.in_state("running"):
-            killed = self.launcher.signal(job.id, signal.SIGKILL)
-            _, final = _last_lines(self.progress_path(job.id))
-            if final and final.get("event") == "done":
-                self._finish(job, "succeeded", None, final)
+            status = self._status(job)
+            if status.active:
+                logger.info("job %s: re-attached (%s on %s)", job.id, status.state, job.engine)
+                if job.cancel_requested:
+                    self._cancel_running(job)
                 continue
-            if job.cancel_requested:
-                self._finish(job, "cancelled", "cancelled (server restarted meanwhile)", None)
+            self._conclude(job, status)
+
+    def tick(self) -> None:
+        now = time.time()
+        for job in self.store.in_state("running"):
+            status = self._status(job)
+            if status.active:
+                if job.cancel_requested and job.id not in self._cancel_at:
+                    self._cancel_running(job)
+                due = self._cancel_at.get(job.id)
+                if due is not None and now >= due and job.handle:
+                    logger.warning("job %s: still running after the grace period, killing", job.id)
+                    self.launcher.cancel(job.handle, force=True)
+                    self._cancel_at[job.id] = now + 5
                 continue
+            self._cancel_at.pop(job.id, None)
+            self._conclude(self.store.get(job.id) or job, status)
+        running = len(self.store.in_state("running"))
+        for job in self.store.in_state("queued"):
+            if running >= self.settings.max_running:
+                break
+            self._launch(job)
+            running += 1
+
+    def _status(self, job: JobRow) -> EngineStatus:
+        if not job.handle:
+            return EngineStatus("lost", "the server stopped before the job was submitted")
+        try:
+            return self.launcher.status(job.handle)
+        except Exception as e:  # an engine hiccup: ask again next tick
+            logger.warning("job %s: cannot get its status from %s: %s", job.id, job.engine, e)
+            return EngineStatus("running")
+
+    def _conclude(self, job: JobRow, status: EngineStatus) -> None:
+        """A job the engine no longer runs: succeeded, cancelled, failed or re-queued."""
+        final = job.final or {}
+        if job.handle and status.state == "lost":
+            try:  # local leftovers of a dead server, if any
+                self.launcher.cancel(job.handle, force=True)
+            except Exception:
+                logger.debug("job %s: cleanup after loss failed", job.id, exc_info=True)
+        if job.cancel_requested:
+            self._finish(job, "cancelled", "cancelled by request")
+        elif status.state == "succeeded" or (
+            status.state == "lost" and final.get("event") == "done"
+        ):
+            self._finish(job, "succeeded", None)
+        elif status.state == "lost":
             committed = self._target_committed(job)
             if not committed and job.attempts <= self.settings.max_retries:
-                logger.info(
-                    "job %s: re-queued after a server restart (%d processes killed)", job.id, killed
-                )
-                self.store.update(job.id, state="queued", started_at=None, progress={}, error=None)
+                logger.info("job %s: re-queued (%s)", job.id, status.reason)
+                self.store.update(job.id, state="queued", started_at=None, progress={},
+                                  error=None, handle=None, final=None, token_hash=None)  # fmt: skip
+            elif committed:
+                self._finish(job, "failed", f"{status.reason}; its target is committed but "
+                             "the job's completion was not recorded — verify it before use")  # fmt: skip
             else:
-                reason = (
-                    "server restarted while the job ran; its target is committed but the job's "
-                    "completion was not recorded — verify it before use"
-                    if committed
-                    else f"server restarted while the job ran; retry limit ({self.settings.max_retries}) reached"
-                )
-                self._finish(job, "failed", reason, None)
+                self._finish(job, "failed", f"{status.reason}; retry limit "
+                             f"({self.settings.max_retries}) reached")  # fmt: skip
+        else:
+            reason = final.get("error") or status.reason or "the workers failed"
+            if final.get("error") and status.reason:
+                reason = f"{final['error']} ({status.reason})"
+            self._finish(job, "failed", reason)
 
     def _target_committed(self, job: JobRow) -> bool:
         try:
@@ -131,118 +162,68 @@ class JobManager:
             logger.warning("job %s: cannot check its target", job.id, exc_info=True)
             return False
 
-    def tick(self) -> None:
-        now = time.time()
-        for job in self.store.in_state("running"):
-            self._refresh(job)
-            code = self.launcher.exit_code(job.id)
-            if code is None:
-                due = self._cancel_at.get(job.id)
-                if due is not None and now >= due:
-                    logger.warning("job %s: still running after the grace period, SIGKILL", job.id)
-                    self.launcher.signal(job.id, signal.SIGKILL)
-                    self._cancel_at[job.id] = now + 5
-                continue
-            self.launcher.signal(job.id, signal.SIGKILL)  # stragglers, if any
-            self.launcher.forget(job.id)
-            self._cancel_at.pop(job.id, None)
-            progress, final = _last_lines(self.progress_path(job.id))
-            job = self.store.get(job.id) or job
-            if job.cancel_requested:
-                self._finish(job, "cancelled", "cancelled by request", final)
-            elif code == 0 and final and final.get("event") == "done":
-                self._finish(job, "succeeded", None, final)
-            else:
-                error = (final or {}).get(
-                    "error"
-                ) or f"workers exited with code {code}; see the job's logs"
-                self._finish(job, "failed", error, final)
-        running = len(self.store.in_state("running"))
-        for job in self.store.in_state("queued"):
-            if running >= self.settings.max_running:
-                break
-            self._launch(job)
-            running += 1
-
-    def _refresh(self, job: JobRow) -> None:
-        progress, _ = _last_lines(self.progress_path(job.id))
-        if progress:
-            keep = {
-                k: progress[k]
-                for k in ("bytes_done", "bytes_total", "tensors_done", "tensors_total")
-            }
-            if keep != job.progress:
-                self.store.update(job.id, progress=keep)
-
-    def _finish(
-        self, job: JobRow, state: str, error: str | None, final: dict[str, Any] | None
-    ) -> None:
-        progress, _ = _last_lines(self.progress_path(job.id))
-        fields: dict[str, Any] = {"state": state, "error": error, "finished_at": time.time()}
-        if progress:
-            fields["progress"] = {
-                k: progress[k]
-                for k in ("bytes_done", "bytes_total", "tensors_done", "tensors_total")
-            }
-        self.store.update(job.id, **fields)
-        if state == "succeeded" and progress:
-            self.bytes_converted += int(progress.get("bytes_total", 0))
+    def _finish(self, job: JobRow, state: str, error: str | None) -> None:
+        self.store.update(job.id, state=state, error=error, finished_at=time.time())
+        if state == "succeeded":
+            self.bytes_converted += int(job.progress.get("bytes_total", 0))
         logger.info("job %s: %s%s", job.id, state, f" ({error})" if error else "")
 
-    def _argv(self, job: JobRow) -> list[str]:
-        spec = job.spec
-        argv = ["convert", spec["source"], spec["target"], "--format", spec.get("format", "native"),
-                "--strategy", spec.get("strategy", "auto"),
-                "--progress-file", str(self.progress_path(job.id))]  # fmt: skip
-        if spec.get("mesh"):
-            argv += ["--mesh", ",".join(f"{k}={v}" for k, v in spec["mesh"].items())]
-        if spec.get("rules"):
-            argv += ["--rules", json.dumps(spec["rules"])]
-        if spec.get("dtype"):
-            argv += ["--dtype", spec["dtype"]]
-        if spec.get("max_memory"):
-            argv += ["--max-memory", spec["max_memory"]]
-        argv += ["--checksum", spec.get("checksum", "crc32c")]
-        return argv
-
     def _launch(self, job: JobRow) -> None:
+        token = secrets.token_urlsafe(32)
         if not self.store.transition(
-            job.id, ("queued",), state="running", started_at=time.time(), attempts=job.attempts + 1
-        ):
+            job.id, ("queued",), state="running", started_at=time.time(),
+            attempts=job.attempts + 1, engine=self.launcher.name, handle=None, final=None,
+            token_hash=token_hash(token),
+        ):  # fmt: skip
             return
-        self.progress_path(job.id).unlink(missing_ok=True)
+        env = {
+            **self.settings.worker_env(),
+            "RESHARD_JOB_ID": job.id,
+            CALLBACK_URL_ENV: f"{self.settings.callback_base()}/v1/jobs/{job.id}/events",
+            CALLBACK_TOKEN_ENV: token,
+        }
+        launch = Launch(job.id, job.attempts + 1, ConvertSpec.from_json(job.spec), env,
+                        self.log_path(job.id))  # fmt: skip
         try:
-            self.launcher.start(
-                job.id,
-                self._argv(job),
-                int(job.spec.get("workers", 1)),
-                self.log_path(job.id),
-                self.settings.worker_env(),
-            )
+            handle = self.launcher.submit(launch)
         except Exception as e:
             logger.exception("job %s: could not start", job.id)
-            self.store.update(
-                job.id,
-                state="failed",
-                error=f"could not start workers: {e}",
-                finished_at=time.time(),
-            )
+            self.store.update(job.id, state="failed", error=f"could not start workers: {e}",
+                              finished_at=time.time())  # fmt: skip
+            return
+        self.store.update(job.id, handle=handle)
+
+    # ---- requests
+
+    def on_event(self, job_id: str, event: dict[str, Any]) -> None:
+        """A checked event from the job's rank 0 (see :func:`reshard_svc.jobspec.check_event`)."""
+        if event["event"] == "progress":
+            self.store.update(job_id, progress={k: event[k] for k in PROGRESS_KEYS})
+        else:
+            job = self.store.get(job_id)
+            if job is not None and job.final is None:
+                self.store.update(job_id, final=event)
 
     def cancel(self, job_id: str) -> JobRow | None:
-        """Cancel a queued job at once; a running one gets SIGTERM, then SIGKILL later."""
+        """Cancel a queued job at once; a running one is stopped through its engine."""
         job = self.store.get(job_id)
         if job is None:
             return None
         if job.state == "queued" and self.store.transition(
-            job_id,
-            ("queued",),
-            state="cancelled",
-            error="cancelled by request",
+            job_id, ("queued",), state="cancelled", error="cancelled by request",
             finished_at=time.time(),
-        ):
+        ):  # fmt: skip
             return self.store.get(job_id)
         if job.state == "running":
             self.store.update(job_id, cancel_requested=1)
-            self.launcher.signal(job_id, signal.SIGTERM)
-            self._cancel_at[job_id] = time.time() + self.settings.cancel_grace_s
+            self._cancel_running(job)
         return self.store.get(job_id)
+
+    def _cancel_running(self, job: JobRow) -> None:
+        job = self.store.get(job.id) or job
+        if job.handle:
+            self._cancel_at[job.id] = time.time() + self.settings.cancel_grace_s
+            try:
+                self.launcher.cancel(job.handle)
+            except Exception:
+                logger.warning("job %s: cancel failed; retrying with force", job.id, exc_info=True)

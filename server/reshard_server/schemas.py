@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
-import math
-import re
 from datetime import datetime
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from reshard_svc.jobspec import (
+    CHECKSUMS,
+    FORMATS,
+    MAX_WORKERS,
+    STRATEGIES,
+    ConvertSpec,
+    check_count,
+    parse_dtype,
+    parse_mesh,
+    parse_rules,
+    parse_size,
+)
 
 __all__ = [
-    "CheckpointInfo",
     "JobCreate",
     "JobList",
     "JobLogs",
@@ -19,9 +38,6 @@ __all__ = [
     "JobState",
     "ProgressPublic",
 ]
-
-_MESH_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
 class JobState(str, Enum):
@@ -37,7 +53,11 @@ class JobState(str, Enum):
 
 
 class JobCreate(BaseModel):
-    """A conversion to run: ``source`` -> ``target`` with a new mesh / rules / format."""
+    """A conversion to run: ``source`` -> ``target`` with a new mesh / rules / format.
+
+    Field types give the OpenAPI schema; the values are checked by
+    :class:`reshard_svc.jobspec.ConvertSpec`, the contract the workers run (422 otherwise).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,63 +65,68 @@ class JobCreate(BaseModel):
         str, Field(min_length=1, max_length=4096, description="checkpoint URI to read")
     ]
     target: Annotated[str, Field(min_length=1, max_length=4096, description="new checkpoint URI")]
-    mesh: dict[str, Annotated[int, Field(ge=1, le=1_000_000)]] | None = Field(
+    mesh: dict[str, StrictInt] | None = Field(
         default=None, description='target mesh, e.g. {"tp": 2} or {"dp": 2, "tp": 4}'
     )
     rules: dict[str, str | list[str]] | None = Field(
         default=None, description="tensor-name glob -> placements, first match wins"
     )
-    format: Literal["native", "hf"] = "native"
-    dtype: Literal["bf16", "fp16", "fp32"] | None = None
-    workers: Annotated[StrictInt, Field(ge=1, le=4096)] = 1
-    strategy: Literal["auto", "exchange", "direct"] = "auto"
-    checksum: Literal["crc32c", "sha256", "none"] = Field(
+    format: Literal[FORMATS] = "native"  # type: ignore[valid-type]
+    dtype: str | None = Field(default=None, description="cast floats to bf16, fp16, fp32 or fp64")
+    nodes: StrictInt = Field(default=1, description="nodes (torchrun agents) the job runs on")
+    workers_per_node: StrictInt | None = Field(
+        default=None, description="workers per node (default: workers / nodes, else 1)"
+    )
+    workers: StrictInt | None = Field(
+        default=None, description="total workers = nodes x workers_per_node (shorthand)"
+    )
+    strategy: Literal[STRATEGIES] = "auto"  # type: ignore[valid-type]
+    checksum: Literal[CHECKSUMS] = Field(  # type: ignore[valid-type]
         default="crc32c", description="what the output records (crc32c block CRCs by default)"
     )
     max_memory: str | None = Field(
         default=None, max_length=32, description="per-worker budget, e.g. 1GiB"
     )
+    max_shard_size: str | None = Field(
+        default=None, max_length=32, description="HF export: cap per file, e.g. 5GB"
+    )
 
-    @field_validator("mesh")
+    @field_validator("mesh", mode="before")
     @classmethod
-    def _mesh(cls, v: dict[str, int] | None) -> dict[str, int] | None:
-        if v is not None:
-            if not v or len(v) > 8:
-                raise ValueError("mesh needs 1 to 8 named dims, e.g. {'tp': 2}")
-            for name in v:
-                if not _MESH_NAME.match(name):
-                    raise ValueError(f"mesh dim name {name!r} must be an identifier")
-            from reshard_svc.layout import MAX_MESH_SIZE
-
-            if math.prod(v.values()) > MAX_MESH_SIZE:
-                raise ValueError(f"mesh spans more than {MAX_MESH_SIZE} ranks")
-        return v
+    def _mesh(cls, v: Any) -> Any:
+        return parse_mesh(v) if isinstance(v, dict) else v
 
     @field_validator("rules")
     @classmethod
-    def _rules(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and len(v) > 1000:
-            raise ValueError("at most 1000 rules")
-        if v is not None:
-            from reshard_svc.errors import LayoutError
-            from reshard_svc.layout import parse_placements
+    def _rules(cls, v: Any) -> Any:
+        return parse_rules(v)
 
-            for glob, pls in v.items():
-                try:
-                    parse_placements(pls)
-                except LayoutError as e:
-                    raise ValueError(f"rule {glob!r}: {e}") from None
-        return v
-
-    @field_validator("max_memory")
+    @field_validator("dtype")
     @classmethod
-    def _size(cls, v: str | None) -> str | None:
-        if v is not None and not _SIZE.match(v):
-            raise ValueError("max_memory must look like 512MiB, 1GiB or a byte count")
+    def _dtype(cls, v: str | None) -> str | None:
+        return parse_dtype(v)
+
+    @field_validator("max_memory", "max_shard_size")
+    @classmethod
+    def _size(cls, v: str | None, info: ValidationInfo) -> str | None:
+        parse_size(v, info.field_name or "size")
         return v
 
-    def mesh_text(self) -> str | None:
-        return ",".join(f"{k}={n}" for k, n in self.mesh.items()) if self.mesh else None
+    @field_validator("nodes", "workers_per_node", "workers")
+    @classmethod
+    def _count(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return None if v is None else check_count(info.field_name or "count", v, MAX_WORKERS)
+
+    @model_validator(mode="after")
+    def _contract(self) -> JobCreate:
+        self._spec = ConvertSpec.from_json(self.model_dump(exclude_none=True))
+        return self
+
+    _spec: ConvertSpec = PrivateAttr()
+
+    def to_spec(self) -> ConvertSpec:
+        """The checked, normalised job contract."""
+        return self._spec
 
 
 class ProgressPublic(BaseModel):
@@ -139,13 +164,3 @@ class JobLogs(BaseModel):
     next_offset: int
     size: int
     text: str
-
-
-class CheckpointInfo(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    uri: str
-    source: str
-    tensors_count: int
-    total_bytes: int
-    files_count: int

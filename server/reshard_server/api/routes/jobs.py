@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Query, Request, status
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from reshard_server.api.deps import AuthDep, ManagerDep, SettingsDep, StoreDep
 from reshard_server.db import JobRow, QueueFull
+from reshard_server.jobs import token_hash
 from reshard_server.paths import check_uri
 from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic, JobState, ProgressPublic
-from reshard_svc.errors import PathNotAllowedError
+from reshard_svc.errors import PathNotAllowedError, UsageError
+from reshard_svc.jobspec import check_event
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
 
@@ -64,6 +68,7 @@ def submit(
     spec: JobCreate,
     settings: SettingsDep,
     store: StoreDep,
+    manager: ManagerDep,
     idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
 ) -> JSONResponse:
     """Queue a conversion. The job is in the database before this replies 202.
@@ -78,12 +83,17 @@ def submit(
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(e)) from None
     if source.rstrip("/") == target.rstrip("/"):
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "target must differ from source")
-    if spec.workers > settings.max_workers:
-        raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_ENTITY,
-            f"workers={spec.workers} exceeds this server's limit of {settings.max_workers}",
-        )
-    body = spec.model_dump(mode="json")
+    job_spec = spec.to_spec()
+    max_nodes = min(settings.max_nodes, manager.launcher.max_nodes)
+    for what, value, limit in (("workers", job_spec.workers, settings.max_workers),
+                               ("nodes", job_spec.nodes, max_nodes)):  # fmt: skip
+        if value > limit:
+            hint = " (the local launcher runs one node)" if what == "nodes" else ""
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_ENTITY,
+                f"{what}={value} exceeds this server's limit of {limit}{hint}",
+            )
+    body = job_spec.to_json()
     body.update(source=source, target=target)
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     try:
@@ -135,27 +145,24 @@ def job_logs(
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     tail: Annotated[int | None, Query(ge=1, le=100_000, description="last N lines")] = None,
 ) -> JobLogs:
-    _job_or_404(store, job_id)
-    path = manager.log_path(job_id)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    """The workers' output, from the engine (a local file, Slurm's --output, pod logs)."""
+    job = _job_or_404(store, job_id)
+    if not job.handle:
         return JobLogs(id=job_id, offset=0, next_offset=0, size=0, text="")
-    with open(path, "rb") as f:
+    try:
         if tail is not None:
+            _, size = manager.launcher.logs(job.handle, 0, 0)
             start = max(0, size - MAX_LOG_CHUNK)
-            f.seek(start)
-            lines = f.read().decode(errors="replace").splitlines(keepends=True)[-tail:]
-            text = "".join(lines)
-            return JobLogs(
-                id=job_id, offset=size - len(text.encode()), next_offset=size, size=size, text=text
-            )
-        f.seek(min(offset, size))
-        data = f.read(MAX_LOG_CHUNK)
-    return JobLogs(
-        id=job_id, offset=min(offset, size), next_offset=min(offset, size) + len(data), size=size,
-        text=data.decode(errors="replace"),
-    )  # fmt: skip
+            data, size = manager.launcher.logs(job.handle, start, MAX_LOG_CHUNK)
+            text = "".join(data.decode(errors="replace").splitlines(keepends=True)[-tail:])
+            return JobLogs(id=job_id, offset=size - len(text.encode()), next_offset=size,
+                           size=size, text=text)  # fmt: skip
+        data, size = manager.launcher.logs(job.handle, offset, MAX_LOG_CHUNK)
+    except Exception as e:
+        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"cannot read the job's logs: {e}") from e
+    start = min(offset, size)
+    return JobLogs(id=job_id, offset=start, next_offset=start + len(data), size=size,
+                   text=data.decode(errors="replace"))  # fmt: skip
 
 
 @router.get("/{job_id}/events", response_class=StreamingResponse)
@@ -190,3 +197,36 @@ async def job_events(store: StoreDep, request: Request, job_id: str) -> Streamin
     return StreamingResponse(
         stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+# ---------------------------------------------------------------- worker callbacks
+
+callbacks = APIRouter(prefix="/v1/jobs", tags=["callbacks"])
+_worker_bearer = HTTPBearer(auto_error=False)
+
+
+@callbacks.post("/{job_id}/events", status_code=status.HTTP_204_NO_CONTENT)
+def post_event(
+    store: StoreDep,
+    manager: ManagerDep,
+    job_id: str,
+    event: dict[str, Any],
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_worker_bearer)],
+) -> None:
+    """Rank 0 of a job reports ``progress``, ``done`` or ``error``.
+
+    Authenticated by the job's own callback token (``RESHARD_CALLBACK_TOKEN``), never the
+    API token: 401 for an unknown token, 403 for another job's.
+    """
+    given = creds.credentials if creds and creds.scheme.lower() == "bearer" else ""
+    owner = store.by_token_hash(token_hash(given)) if given else None
+    if owner is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or unknown job token",
+                            headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    if not hmac.compare_digest(owner, job_id):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "this token belongs to another job")
+    try:
+        checked = check_event(event)
+    except UsageError as e:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, str(e)) from None
+    manager.on_event(job_id, checked)

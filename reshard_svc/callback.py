@@ -1,0 +1,147 @@
+"""Rank 0's progress reporter: events to a JSON-lines file and/or POSTed to the server.
+
+Under ``reshard-server`` the workers find ``RESHARD_CALLBACK_URL`` (the job's event route)
+and ``RESHARD_CALLBACK_TOKEN`` (a token the server minted for this job alone) in their
+environment. Posts run on a background thread with retries and exponential backoff, so a
+slow or restarting server never stalls the conversion, and a lost event never fails it:
+the server also takes the final state from the engine (torchrun's exit, Slurm, Kubernetes).
+
+Only the newest ``progress`` event is kept while posts fail; ``done`` and ``error`` are
+retried until :meth:`EventReporter.close` gives up (``RESHARD_CALLBACK_TIMEOUT_S``, 30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any
+
+from reshard_svc.jobspec import check_event
+
+__all__ = ["CALLBACK_TOKEN_ENV", "CALLBACK_URL_ENV", "EventReporter"]
+
+logger = logging.getLogger(__name__)
+
+CALLBACK_URL_ENV = "RESHARD_CALLBACK_URL"
+CALLBACK_TOKEN_ENV = "RESHARD_CALLBACK_TOKEN"
+_RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
+
+
+class EventReporter:
+    """``send(event)`` appends to ``path`` (if any) and queues a POST to ``url`` (if any)."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        final_timeout_s: float | None = None,
+    ) -> None:
+        self.path = path
+        self.url = url
+        self.token = token
+        self.final_timeout_s = (
+            final_timeout_s
+            if final_timeout_s is not None
+            else float(os.environ.get("RESHARD_CALLBACK_TIMEOUT_S", "30"))
+        )
+        self._cond = threading.Condition()
+        self._pending: list[dict[str, Any]] = []
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.posted = 0
+        self.dropped = 0
+
+    @classmethod
+    def from_env(cls, path: str | None = None) -> EventReporter:
+        return cls(path, os.environ.get(CALLBACK_URL_ENV), os.environ.get(CALLBACK_TOKEN_ENV))
+
+    def send(self, event: dict[str, Any]) -> None:
+        event = {"time": time.time(), **event}
+        check_event(event)
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(event) + "\n")
+        if not self.url:
+            return
+        with self._cond:
+            if event["event"] == "progress":  # only the newest progress matters
+                kept = [e for e in self._pending if e["event"] != "progress"]
+                self.dropped += len(self._pending) - len(kept)
+                self._pending = kept
+            self._pending.append(event)
+            self._cond.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="reshard-callback", daemon=True
+                )
+                self._thread.start()
+
+    def close(self) -> None:
+        """Flush: wait up to ``final_timeout_s`` for queued events to be delivered."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(self.final_timeout_s + 5)
+
+    def _run(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        deadline: float | None = None
+        with httpx.Client(timeout=10.0, headers=headers) as http:
+            while True:
+                with self._cond:
+                    while not self._pending and not self._closing:
+                        self._cond.wait()
+                    if not self._pending:
+                        return
+                    if self._closing and deadline is None:
+                        deadline = time.monotonic() + self.final_timeout_s
+                    event = self._pending[0]
+                if self._post(http, event, deadline):
+                    self.posted += 1
+                else:
+                    self.dropped += 1
+                with self._cond:
+                    if self._pending and self._pending[0] is event:
+                        self._pending.pop(0)
+
+    def _post(self, http: Any, event: dict[str, Any], deadline: float | None) -> bool:
+        """POST with backoff; progress gives up after a few tries, final events at close."""
+        delay, tries = 0.2, 0
+        while True:
+            tries += 1
+            try:
+                r = http.post(self.url, json=event)
+                if r.status_code < 300:
+                    return True
+                if r.status_code not in _RETRYABLE:
+                    logger.warning(
+                        "callback %s refused the %s event: %d %s",
+                        self.url, event["event"], r.status_code, r.text[:200],
+                    )  # fmt: skip
+                    return False
+                why = f"HTTP {r.status_code}"
+            except Exception as e:  # connection refused/reset, timeouts: retry
+                why = f"{type(e).__name__}: {e}"
+            final = event["event"] != "progress"
+            if not final and tries >= 3:
+                return False
+            with self._cond:
+                newer = any(e["event"] == "progress" for e in self._pending[1:])
+                closing = self._closing
+            if not final and newer:
+                return False  # a newer progress event supersedes this one
+            now = time.monotonic()
+            if closing and deadline is not None and now >= deadline:
+                logger.warning("callback: giving up on the %s event (%s)", event["event"], why)
+                return False
+            logger.debug("callback: %s, retrying in %.1f s", why, delay)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)
