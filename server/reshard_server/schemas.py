@@ -146,6 +146,12 @@ class JobPublic(BaseModel):
     throughput_bytes_per_s: float | None = None
     error: str | None = None
     attempts: int = 0
+    engine: str | None = Field(
+        default=None, description="launcher that ran it: local, slurm, kubernetes"
+    )
+    handle: dict[str, Any] | None = Field(
+        default=None, description="the engine's reference: PID, Slurm job id, TrainJob name"
+    )
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None

@@ -24,7 +24,9 @@ TOKEN = "test-token-123"
 class Server:
     """One server process; ``kill9`` + ``start`` simulates a crash and restart."""
 
-    def __init__(self, base: Path, roots: list[str], **settings: str) -> None:
+    def __init__(
+        self, base: Path, roots: list[str], env: dict[str, str] | None = None, **settings: str
+    ) -> None:
         self.base = base
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,6 +39,7 @@ class Server:
             "RESHARD_POLL_INTERVAL_S": "0.1",
             "RESHARD_CANCEL_GRACE_S": "3",
             **{f"RESHARD_{k.upper()}": v for k, v in settings.items()},
+            **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -88,8 +91,10 @@ class Server:
 def make_server(tmp_path):
     servers: list[Server] = []
 
-    def make(roots: list[str] | None = None, **settings: str) -> Server:
-        s = Server(tmp_path, roots or [str(tmp_path / "data")], **settings)
+    def make(
+        roots: list[str] | None = None, env: dict[str, str] | None = None, **settings: str
+    ) -> Server:
+        s = Server(tmp_path, roots or [str(tmp_path / "data")], env, **settings)
         servers.append(s)
         return s.start()
 
@@ -109,6 +114,18 @@ def make_server(tmp_path):
 @pytest.fixture
 def server(make_server):
     return make_server()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real single-node Slurm cluster (slurm-wlm + munge) for the whole session."""
+    from tests.slurm_cluster import SlurmCluster, missing
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
 
 
 def tensors(seed: int = 0, rows: int = 64) -> dict[str, torch.Tensor]:

@@ -77,7 +77,7 @@ def test_tp4_to_tp2_on_s3_with_client_and_cli(make_server, s3, tmp_path):
     assert r.returncode == 0
 
 
-def slow_job(server, tmp_path, name: str = "slow") -> tuple[str, str]:
+def slow_job(server, tmp_path, name: str = "slow", nodes: int = 1) -> tuple[str, str]:
     """Submit a conversion that runs for several seconds (tiny memory budget)."""
     data = tmp_path / "data"
     sd = {"w": torch.randn(8192, 2048)}  # 64 MiB: several seconds at a 64 KiB budget
@@ -87,7 +87,7 @@ def slow_job(server, tmp_path, name: str = "slow") -> tuple[str, str]:
     )
     dst = str(data / f"{name}-dst")
     with server.client() as c:
-        job = c.submit({"source": src, "target": dst, "mesh": {"tp": 2}, "workers": 2,
+        job = c.submit({"source": src, "target": dst, "mesh": {"tp": 2}, "workers": 2, "nodes": nodes,
                         "rules": {"w": "S(1)"}, "max_memory": "64KiB", "strategy": "exchange"})  # fmt: skip
         deadline = time.monotonic() + 120
         while True:

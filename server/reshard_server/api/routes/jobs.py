@@ -50,6 +50,8 @@ def to_public(job: JobRow) -> JobPublic:
         throughput_bytes_per_s=throughput,
         error=job.error,
         attempts=job.attempts,
+        engine=job.engine,
+        handle=job.handle,
         created_at=_ts(job.created_at),  # type: ignore[arg-type]
         started_at=_ts(job.started_at),
         finished_at=_ts(job.finished_at),
