@@ -149,3 +149,14 @@ def assert_holds(uri: str, sd: dict[str, torch.Tensor]) -> None:
     reshard_svc.load(out, uri)
     for k in sd:
         assert torch.equal(out[k], sd[k]), k
+
+
+@pytest.fixture
+def k8s(tmp_path):
+    """A stand-in Kubernetes API server with a local "kubelet" (see tests/k8s_standin.py)."""
+    pytest.importorskip("kubernetes")
+    pytest.importorskip("kubeflow_trainer_api")
+    from tests.k8s_standin import StandInCluster
+
+    with StandInCluster(tmp_path / "k8s") as cluster:
+        yield cluster
