@@ -202,23 +202,28 @@ def convert(
     import tempfile
     import time
 
-    args = [src, dst, "--format", format, "--strategy", strategy, "--max-memory", max_memory,
-            "--max-shard-size", max_shard_size]  # fmt: skip
-    for flag, value in (("--mesh", mesh), ("--rules", rules), ("--dtype", dtype)):
-        if value:
-            args += [flag, value]
-    args += ["--checksum", checksum]
+    from reshard_svc.errors import ReshardError
+    from reshard_svc.jobspec import ConvertSpec
+
+    try:
+        spec = ConvertSpec(
+            src, dst, mesh=_parse_mesh(mesh), rules=_parse_rules(rules), format=format,
+            dtype=dtype, strategy=strategy, checksum=checksum, max_memory=max_memory,
+            max_shard_size=max_shard_size, workers_per_node=workers,
+        ).checked()  # fmt: skip
+    except ReshardError as e:
+        raise _fail(e) from None
     with tempfile.TemporaryDirectory() as tmp, _bar(as_json) as bar:
         task = bar.add_task("converting", total=None, tensors="")
         progress_file = os.path.join(tmp, "progress.jsonl")
         if workers == 1:
             from reshard_svc.worker import main as worker_main
 
-            code = worker_main(["convert", *args, "--progress-file", progress_file])
+            code = worker_main(spec.to_argv(progress_file=progress_file))
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={workers}", "-m", "reshard_svc.worker", "convert", *args,
-                   "--progress-file", progress_file]  # fmt: skip
+                   f"--nproc-per-node={workers}", "-m", "reshard_svc.worker",
+                   *spec.to_argv(progress_file=progress_file)]  # fmt: skip
             # torchrun's and the workers' output goes to a log, kept only on failure: the
             # user sees one error line, not every rank's traceback.
             log_fd, log_path = tempfile.mkstemp(prefix="reshard-convert-", suffix=".log")
@@ -311,16 +316,9 @@ def _remote(fn: Any) -> Any:
 
 
 def _parse_mesh(mesh: str | None) -> dict[str, int] | None:
-    if not mesh:
-        return None
-    from reshard_svc.layout import Mesh
+    from reshard_svc.jobspec import parse_mesh
 
-    m = Mesh.parse(mesh)
-    if m.names is None:
-        raise typer.BadParameter(
-            "name the mesh dims, e.g. --mesh tp=2 or dp=2,tp=4", param_hint="--mesh"
-        )
-    return dict(zip(m.names, m.shape))
+    return parse_mesh(mesh) if mesh else None
 
 
 def _parse_rules(rules: str | None) -> dict[str, Any] | None:
@@ -373,8 +371,16 @@ def submit(
         str | None, typer.Option(help="YAML/JSON file: tensor glob -> placements.")
     ] = None,
     format: Annotated[str, typer.Option(help="native or hf.")] = "native",
-    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32.")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="torchrun workers for the job.")] = 1,
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Total torchrun workers (nodes x workers per node).")
+    ] = None,
+    nodes: Annotated[
+        int, typer.Option(min=1, help="Nodes (torchrun agents) on the server's engine.")
+    ] = 1,
+    workers_per_node: Annotated[
+        int | None, typer.Option(min=1, help="Workers per node (GPUs per node).")
+    ] = None,
     strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
     max_memory: Annotated[
         str | None, typer.Option(help="Byte budget per worker, e.g. 1GiB.")
@@ -393,8 +399,12 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
 ) -> None:
     """Submit a conversion job to reshard-server."""
-    spec: dict[str, Any] = {"source": src, "target": dst, "format": format, "workers": workers,
+    spec: dict[str, Any] = {"source": src, "target": dst, "format": format, "nodes": nodes,
                             "strategy": strategy, "checksum": checksum}  # fmt: skip
+    if workers is not None:
+        spec["workers"] = workers
+    if workers_per_node is not None:
+        spec["workers_per_node"] = workers_per_node
     try:
         if mesh:
             spec["mesh"] = _parse_mesh(mesh)
