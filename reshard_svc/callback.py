@@ -92,6 +92,7 @@ class EventReporter:
     def _run(self) -> None:
         import httpx
 
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per event in job logs
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         deadline: float | None = None
         with httpx.Client(timeout=10.0, headers=headers) as http:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
 import threading
@@ -143,7 +144,7 @@ class JobStore:
             row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return JobRow.from_row(row) if row else None
 
-    def list(self, state: str | None, limit: int, offset: int) -> tuple[list[JobRow], int]:
+    def list(self, state: str | None, limit: int, offset: int) -> tuple[builtins.list[JobRow], int]:
         where, args = ("WHERE state=?", (state,)) if state else ("", ())
         with self._lock:
             (total,) = self._db.execute(f"SELECT COUNT(*) FROM jobs {where}", args).fetchone()
@@ -153,7 +154,7 @@ class JobStore:
             ).fetchall()
         return [JobRow.from_row(r) for r in rows], total
 
-    def in_state(self, *states: str) -> list[JobRow]:
+    def in_state(self, *states: str) -> builtins.list[JobRow]:
         marks = ",".join("?" * len(states))
         with self._lock:
             rows = self._db.execute(

@@ -43,7 +43,10 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
     """The TrainJob for one attempt of a job (validated in the tests against the
     Kubeflow Trainer API schema)."""
     spec = launch.spec
-    env = [{"name": JOB_ENV, "value": launch.job_id}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env: list[dict[str, Any]] = [
+        {"name": JOB_ENV, "value": launch.job_id},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
     for name in ("RESHARD_CALLBACK_URL", "RESHARD_CALLBACK_TOKEN", *PASSED_ENV):
         if launch.env.get(name):
             env.append({"name": name, "value": launch.env[name]})

@@ -167,3 +167,41 @@ def test_oom_killed_node_fails_the_job_with_the_engine_reason(make_server, k8s, 
     assert final.state.value == "failed"
     assert "OOMKilled" in final.error, final.error
     assert not os.path.exists(os.path.join(dst, "reshard.index.json"))
+
+
+@pytest.mark.distributed
+@pytest.mark.kubernetes
+def test_readme_trainjob_is_valid_and_runs(k8s, tmp_path):
+    """The README's own TrainJob: valid against the Trainer schema, and it converts when
+    applied (on the stand-in, with the example URIs pointed at local folders)."""
+    import yaml
+    from kubernetes import client, config
+
+    from tests.server.test_slurm import readme_block
+
+    body = yaml.safe_load(readme_block("trainjob-direct"))
+    validate_trainjob(body)
+    sd = tensors(6)
+    src, dst = tmp_path / "tp4", tmp_path / "tp4-again"
+    make_tp4(str(src), str(tmp_path / "scratch"), sd)
+    command = body["spec"]["trainer"]["command"]
+    body["spec"]["trainer"]["command"] = [
+        {"s3://checkpoints/llama-tp8": str(src), "s3://checkpoints/llama-tp4": str(dst)}.get(a, a)
+        for a in command
+    ]
+    body["spec"]["trainer"]["numProcPerNode"] = 1  # two cores here, not 8 GPUs
+    api = client.CustomObjectsApi(config.new_client_from_config(str(k8s.kubeconfig)))
+    api.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "ml", "trainjobs",
+                                        body)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while True:
+        obj = api.get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "ml",
+                                               "trainjobs", "reshard-llama-tp4")  # fmt: skip
+        kinds = {c["type"] for c in obj["status"]["conditions"]}
+        if kinds & {"Complete", "Failed"}:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    logs = [n.log.read_text()[-2000:] for n in k8s.jobs[("ml", "reshard-llama-tp4")].nodes]
+    assert "Complete" in kinds, logs
+    assert_holds(str(dst), sd)

@@ -106,3 +106,36 @@ def test_server_restart_reattaches_running_job(make_server, slurm, tmp_path):
         assert final.state.value == "succeeded", (final.error, c.logs(job_id).text)
         assert final.attempts == 1
     assert reshard_svc.verify(dst).ok
+
+
+def readme_block(name: str) -> str:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    m = re.search(rf"<!-- {name}:start -->\s*```\w+\n(.*?)```\s*<!-- {name}:end -->", text, re.S)
+    assert m, f"README lost its {name} block"
+    return m.group(1)
+
+
+def test_readme_batch_script_runs_the_worker_without_a_server(slurm, tmp_path):
+    """The README's sbatch script, as written; only the one-node packing is overridden."""
+    import sys
+
+    sd = tensors(5)
+    src, dst = tmp_path / "tp4", tmp_path / "tp4-again"
+    make_tp4(str(src), str(tmp_path / "scratch"), sd)
+    script = tmp_path / "reshard.sbatch"
+    script.write_text(readme_block("slurm-direct"))
+    env = {**slurm.env, "SRC": str(src), "DST": str(dst), "GPUS_PER_NODE": "1",
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # fmt: skip
+    import subprocess
+
+    r = subprocess.run(
+        ["sbatch", "--wait", "--parsable", *TWO_TASKS_ONE_NODE.split(), str(script)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = next(tmp_path.glob("reshard-*.log"), None)
+    assert r.returncode == 0, (r.stderr, log and log.read_text()[-3000:])
+    assert_holds(str(dst), sd)
+    assert reshard_svc.inspect(str(dst)).to_json()["tensors"]["w"]["layout"]["mesh"]["shape"] == [4]
