@@ -150,19 +150,23 @@ class SlurmLauncher:
                 return found
         return EngineStatus("lost", f"Slurm no longer knows job {jid}")
 
-    def _squeue(self, jid: str) -> EngineStatus | None:
-        r = self._run("squeue", "--json", "--jobs", jid)
+    def _json_job(self, jid: str, *cmd: str) -> dict[str, Any] | None:
+        """This job's record in ``squeue --json`` / ``sacct --json`` output, if listed."""
+        r = self._run(*cmd, "--json", "--jobs", jid)
         if r.returncode != 0:
             return None
         try:
             jobs = json.loads(r.stdout).get("jobs") or []
         except json.JSONDecodeError:
             return None
-        for job in jobs:
-            if str(job.get("job_id")) == jid:
-                return slurm_state(_state_text(job.get("job_state")), job.get("state_reason"),
-                                   _exit_text(job.get("exit_code")))  # fmt: skip
-        return None
+        return next((j for j in jobs if str(j.get("job_id")) == jid), None)
+
+    def _squeue(self, jid: str) -> EngineStatus | None:
+        job = self._json_job(jid, "squeue")
+        if job is None:
+            return None
+        return slurm_state(_state_text(job.get("job_state")), job.get("state_reason"),
+                           _exit_text(job.get("exit_code")))  # fmt: skip
 
     def _scontrol(self, jid: str) -> EngineStatus | None:
         r = self._run("scontrol", "show", "job", jid)
@@ -174,19 +178,12 @@ class SlurmLauncher:
         return slurm_state(m.group(1), reason and reason.group(1), code and code.group(1))
 
     def _sacct(self, jid: str) -> EngineStatus | None:
-        r = self._run("sacct", "--json", "--jobs", jid)
-        if r.returncode != 0:
+        job = self._json_job(jid, "sacct")
+        if job is None:
             return None
-        try:
-            jobs = json.loads(r.stdout).get("jobs") or []
-        except json.JSONDecodeError:
-            return None
-        for job in jobs:
-            if str(job.get("job_id")) == jid:
-                state = job.get("state", {})
-                text = state.get("current") if isinstance(state, dict) else state
-                return slurm_state(_state_text(text), None, _exit_text(job.get("exit_code")))
-        return None
+        state = job.get("state", {})
+        text = state.get("current") if isinstance(state, dict) else state
+        return slurm_state(_state_text(text), None, _exit_text(job.get("exit_code")))
 
     def cancel(self, handle: Handle, force: bool = False) -> None:
         args = ["--signal=KILL", "--full"] if force else []
