@@ -8,6 +8,7 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     ├── StateDictError (ValueError)       unsupported values, missing / unexpected keys
     ├── CheckpointError                   the checkpoint on storage is not usable
     │   ├── NotACheckpointError           no committed index at that URI
+    │   ├── TargetExistsError             a save would replace a checkpoint (no overwrite)
     │   ├── UnsupportedFormatError        unknown format version
     │   ├── CorruptCheckpointError        malformed file, bad header, bad block table
     │   │   └── ChecksumError             bytes read fail their CRC32C (file, range, values)
@@ -36,6 +37,7 @@ __all__ = [
     "ReshardError",
     "StateDictError",
     "StorageError",
+    "TargetExistsError",
     "UnsafePickleError",
     "UnsupportedFormatError",
     "UsageError",
@@ -64,6 +66,10 @@ class CheckpointError(ReshardError):
 
 class NotACheckpointError(CheckpointError):
     """No committed checkpoint (``reshard.index.json``) at the URI."""
+
+
+class TargetExistsError(CheckpointError):
+    """The target holds a committed checkpoint and ``overwrite`` was not given."""
 
 
 class UnsupportedFormatError(CheckpointError):

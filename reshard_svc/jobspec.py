@@ -180,6 +180,30 @@ def check_count(name: str, value: Any, high: int = 4096) -> int:
     return value
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise UsageError(f"{name} {value!r} must be true or false")
+    return value
+
+
+def _text(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 1024 or "\0" in value:
+        raise UsageError(f"{name} must be non-empty text (at most 1024 characters)")
+    return value
+
+
+def _globs(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not 1 <= len(value) <= 1000:
+        raise UsageError("only must be a tensor-name glob or a list of 1 to 1000 globs")
+    return [str(_text("only", g)) for g in value]
+
+
 def _uri(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or len(value) > 4096 or "\0" in value:
         raise UsageError(f"{name} must be a path or URI (1 to 4096 characters)")
@@ -202,6 +226,9 @@ class ConvertSpec:
     max_shard_size: str | None = None
     nodes: int = 1
     workers_per_node: int = 1
+    overwrite: bool = False
+    only: list[str] | None = None
+    strip_prefix: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -228,6 +255,9 @@ class ConvertSpec:
             dtype=parse_dtype(self.dtype),
             strategy=_choice("strategy", self.strategy, STRATEGIES),
             checksum=_choice("checksum", self.checksum, CHECKSUMS),
+            overwrite=_flag("overwrite", self.overwrite),
+            only=_globs(self.only),
+            strip_prefix=_text("strip_prefix", self.strip_prefix),
         )
 
     @classmethod
@@ -277,10 +307,15 @@ class ConvertSpec:
             argv += ["--mesh", format_mesh(self.mesh)]
         if self.rules:
             argv += ["--rules", json.dumps(self.rules)]
+        if self.overwrite:
+            argv.append("--overwrite")
+        for glob in self.only or ():
+            argv += ["--only", glob]
         for flag, value in (
             ("--dtype", self.dtype),
             ("--max-memory", self.max_memory),
             ("--max-shard-size", self.max_shard_size),
+            ("--strip-prefix", self.strip_prefix),
             *((f"--{k.replace('_', '-')}", v) for k, v in options.items()),
         ):
             if value is not None:
@@ -317,6 +352,7 @@ class ConvertSpec:
             checksum="none" if args.no_checksum else args.checksum,
             max_memory=args.max_memory, max_shard_size=args.max_shard_size,
             nodes=nodes, workers_per_node=workers_per_node,
+            overwrite=args.overwrite, only=args.only, strip_prefix=args.strip_prefix,
             extra={"progress_file": args.progress_file},
         ).checked()  # fmt: skip
 
@@ -341,6 +377,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--checksum", choices=CHECKSUMS, default="crc32c",
                    help="what the output records: block CRC32Cs (default), plus sha256, or none")  # fmt: skip
     c.add_argument("--no-checksum", action="store_true", help=argparse.SUPPRESS)
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a committed checkpoint at DST (other files there are kept)",
+    )
+    c.add_argument(
+        "--only",
+        action="append",
+        metavar="GLOB",
+        help="keep only tensors matching this glob (repeatable), e.g. 'model.*'",
+    )
+    c.add_argument("--strip-prefix", metavar="PREFIX",
+                   help="drop this prefix from tensor names, e.g. 'model.'")  # fmt: skip
     c.add_argument("--progress-file", help="rank 0 appends JSON progress lines here")
     return ap
 

@@ -93,6 +93,9 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
             max_shard_size=spec.max_shard_size,
             progress=progress,
             checksum=spec.checksum,
+            overwrite=spec.overwrite,
+            only=spec.only,
+            strip_prefix=spec.strip_prefix,
         )
     except Exception as e:
         reporter.send({"event": "error", "error": f"{type(e).__name__}: {e}"})

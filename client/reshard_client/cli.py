@@ -194,6 +194,19 @@ def convert(
             "sha256 (those plus a whole-file sha256) or none."
         ),
     ] = "crc32c",
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
+        ),
+    ] = False,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
+    ] = None,
+    strip_prefix: Annotated[
+        str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
@@ -209,7 +222,8 @@ def convert(
         spec = ConvertSpec(
             src, dst, mesh=_parse_mesh(mesh), rules=_parse_rules(rules), format=format,
             dtype=dtype, strategy=strategy, checksum=checksum, max_memory=max_memory,
-            max_shard_size=max_shard_size, workers_per_node=workers,
+            max_shard_size=max_shard_size, workers_per_node=workers, overwrite=overwrite,
+            only=only or None, strip_prefix=strip_prefix,
         ).checked()  # fmt: skip
     except ReshardError as e:
         raise _fail(e) from None
@@ -254,6 +268,45 @@ def convert(
             f"{_size(last['bytes_written'])} written in {last['seconds']} s ({last['strategy']})",
             highlight=False,
         )
+
+
+@app.command()
+def gc(
+    uri: Annotated[str, typer.Argument(help="Checkpoint folder whose leftovers to collect.")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only say what would be removed or finished.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Remove what interrupted saves and converts into URI left behind.
+
+    Only runs whose lease is stale are touched (expired, or held by a process of this host
+    that is gone); a run still in progress is left alone. An interrupted local commit is
+    rolled forward (or back). Files that are not part of a checkpoint are never deleted.
+    """
+    from reshard_svc.errors import ReshardError
+    from reshard_svc.gc import collect
+
+    try:
+        report = collect(uri, dry_run=dry_run)
+    except ReshardError as e:
+        raise _fail(e) from None
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_json()) + "\n")
+        return
+    verb = "would " if dry_run else ""
+    for path in report.removed:
+        out.print(f"{verb}remove  {path}", highlight=False)
+    for path in report.rolled_forward:
+        out.print(f"{verb}finish  {path} (a decided commit)", highlight=False)
+    for path in report.rolled_back:
+        out.print(f"{verb}restore {path} (an unfinished commit)", highlight=False)
+    for path in report.kept:
+        out.print(f"kept    {path}: holds files that are not ours to delete", highlight=False)
+    for token in report.live:
+        out.print(f"skipped run {token}: still in progress (its lease is live)", highlight=False)
+    if not (report or report.kept or report.live):
+        out.print(f"nothing to collect at {uri}", highlight=False)
 
 
 def _die_with_parent() -> None:
@@ -388,6 +441,19 @@ def submit(
     checksum: Annotated[
         str, typer.Option(help="What the output records: crc32c, sha256 or none.")
     ] = "crc32c",
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
+        ),
+    ] = False,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
+    ] = None,
+    strip_prefix: Annotated[
+        str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
+    ] = None,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submit at most once per key.")
     ] = None,
@@ -416,6 +482,12 @@ def submit(
         spec["dtype"] = dtype
     if max_memory:
         spec["max_memory"] = max_memory
+    if overwrite:
+        spec["overwrite"] = True
+    if only:
+        spec["only"] = only
+    if strip_prefix:
+        spec["strip_prefix"] = strip_prefix
     from pydantic import ValidationError
 
     from reshard_server.schemas import JobCreate

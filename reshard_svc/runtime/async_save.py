@@ -71,6 +71,7 @@ class AsyncSaver:
         *,
         storage_options: Mapping[str, Any] | None = None,
         checksum: str = "crc32c",
+        overwrite: bool = False,
     ) -> Future[CheckpointIndex]:
         """Stage ``state_dict`` and return a future of the committed index."""
         algorithm = check_algorithm(checksum)
@@ -81,7 +82,8 @@ class AsyncSaver:
             except Exception:  # the caller sees it from that save's own future
                 logger.debug("previous async save failed", exc_info=True)
         comm = Comm(self._group)
-        prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options), algorithm)
+        storage = open_storage(uri, storage_options)
+        prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite)
         mine = {(name, box) for spec in prep.plan.files_of(comm.rank) for name, box in spec.entries}
         for name, placed in prep.placed.items():
             for box in [b for b in placed.local if (name, b) not in mine]:
@@ -188,6 +190,7 @@ def async_save(
     process_group: Any = None,
     storage_options: Mapping[str, Any] | None = None,
     checksum: str = "crc32c",
+    overwrite: bool = False,
 ) -> Future[CheckpointIndex]:
     """Like :func:`reshard_svc.save`, but returns once the state is staged.
 
@@ -198,4 +201,6 @@ def async_save(
     saver = _SAVERS.get(key)
     if saver is None:
         saver = _SAVERS[key] = AsyncSaver(process_group)
-    return saver.save(state_dict, uri, storage_options=storage_options, checksum=checksum)
+    return saver.save(
+        state_dict, uri, storage_options=storage_options, checksum=checksum, overwrite=overwrite
+    )

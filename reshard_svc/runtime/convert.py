@@ -15,8 +15,7 @@ import functools
 import json
 import logging
 import math
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +24,12 @@ import torch
 from reshard_svc import __version__
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
 from reshard_svc.errors import CheckpointError, LayoutError, UsageError
-from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.gc import TargetRun
+from reshard_svc.index import CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.jobspec import parse_dtype, parse_size
 from reshard_svc.layout import Box, Layout, Mesh
 from reshard_svc.read_plan import Part, ReadPlan, Wave, band_limit, plan_reads, row_step, split_rows
-from reshard_svc.rules import resolve_layouts
+from reshard_svc.rules import resolve_layouts, select_tensors
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
@@ -194,6 +194,9 @@ def convert(
     progress: Progress | None = None,
     storage_options: Mapping[str, Any] | None = None,
     checksum: str | bool = "crc32c",
+    overwrite: bool = False,
+    only: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
 
@@ -203,6 +206,9 @@ def convert(
     the per-worker byte budget for in-flight data. ``checksum`` is what the output
     records: ``"crc32c"`` block CRCs (default), ``"sha256"`` (those plus a whole-file
     sha256) or ``"none"``. Every source block read is checked against its CRC32C first.
+    A committed checkpoint at ``dst`` is only replaced with ``overwrite=True``. ``only``
+    (globs) keeps matching tensors, and ``strip_prefix`` drops a name prefix, e.g.
+    ``only=["model.*"], strip_prefix="model."`` for a loadable HF model folder.
     """
     algorithm = check_algorithm(checksum)
     if format not in ("native", "hf"):
@@ -214,54 +220,64 @@ def convert(
     out_dtype = _cast_dtype(dtype)
     comm = Comm(process_group)
     storage, index = open_shared(src, comm, storage_options)
+    index = select_tensors(index, only, strip_prefix)
     target = open_storage(dst, storage_options)
     if target.uri.rstrip("/") == storage.uri.rstrip("/"):
         raise LayoutError("source and target are the same folder: convert into a new target")
 
     def prepare() -> dict[str, Any]:
         layouts = resolve_layouts(index, mesh, rules) if format == "native" else {}
-        if comm.rank == 0:
-            target.check_target(INDEX_NAME)
         state["layouts"] = layouts
-        return {"token": uuid.uuid4().hex}
+        if comm.rank == 0:
+            state["run"] = TargetRun(target, "convert", overwrite)
+            return {"token": state["run"].token}
+        return {"token": ""}
 
     state: dict[str, Any] = {}
     _, infos = comm.run_everywhere("convert: planning target layouts", prepare)
     token = infos[0]["token"]
     staging = target.staging(token)
-    # A cast applies to floating-point tensors; integer and bool tensors (step counters,
-    # masks) keep their dtype.
-    dtypes = {
-        n: out_dtype if out_dtype is not None and m.dtype.is_floating_point else m.dtype
-        for n, m in index.tensors.items()
-    }
-    if format == "native":
-        out = plan_native(index, state["layouts"], dtypes, comm.world, token, staging.file_suffix)
-    else:
-        out = plan_hf(index, dtypes, comm.world, shard_cap)
+    run: TargetRun | None = state.get("run")
+    try:
+        # A cast applies to floating-point tensors; integer and bool tensors (step counters,
+        # masks) keep their dtype.
+        dtypes = {
+            n: out_dtype if out_dtype is not None and m.dtype.is_floating_point else m.dtype
+            for n, m in index.tensors.items()
+        }
+        if format == "native":
+            out = plan_native(
+                index, state["layouts"], dtypes, comm.world, token, staging.file_suffix
+            )
+        else:
+            out = plan_hf(index, dtypes, comm.world, shard_cap)
 
-    # Target boxes cut on the read plan's row grid; each band lands at a known file offset.
-    writer_of = {f.name: f.writer for f in out.files}
-    wanted: dict[str, list[tuple[Box, tuple[int, ...]]]] = {}
-    where: dict[tuple[str, Box], tuple[str, int]] = {}
-    for name, chunks in out.chunks.items():
-        meta = index.tensors[name]
-        step = row_step(meta.shape, meta.itemsize, band_limit(budget))
-        osz = itemsize(dtypes[name])
-        bands: list[tuple[Box, tuple[int, ...]]] = []
-        for c in chunks:
-            row = math.prod(c.box.sizes[1:]) * osz if c.box.ndim else 0
-            for band in split_rows(c.box, step):
-                off = (band.offsets[0] - c.box.offsets[0]) * row if band.ndim else 0
-                where[(name, band)] = (c.file, c.begin + off)
-                bands.append((band, (writer_of[c.file],)))
-        wanted[name] = bands
-    plans = {}
-    for s in ("exchange", "direct") if strategy == "auto" else (strategy,):
-        plans[s] = plan_reads(index, wanted, comm.world, budget, strategy=s)
-    chosen = choose_strategy(plans, storage) if len(plans) > 1 else strategy
-    plan = plans[chosen]
-    logger.info("convert %s -> %s: %s strategy, %d waves", src, dst, chosen, len(plan.waves))
+        # Target boxes cut on the read plan's row grid; each band lands at a known file offset.
+        writer_of = {f.name: f.writer for f in out.files}
+        wanted: dict[str, list[tuple[Box, tuple[int, ...]]]] = {}
+        where: dict[tuple[str, Box], tuple[str, int]] = {}
+        for name, chunks in out.chunks.items():
+            meta = index.tensors[name]
+            step = row_step(meta.shape, meta.itemsize, band_limit(budget))
+            osz = itemsize(dtypes[name])
+            bands: list[tuple[Box, tuple[int, ...]]] = []
+            for c in chunks:
+                row = math.prod(c.box.sizes[1:]) * osz if c.box.ndim else 0
+                for band in split_rows(c.box, step):
+                    off = (band.offsets[0] - c.box.offsets[0]) * row if band.ndim else 0
+                    where[(name, band)] = (c.file, c.begin + off)
+                    bands.append((band, (writer_of[c.file],)))
+            wanted[name] = bands
+        plans = {}
+        for s in ("exchange", "direct") if strategy == "auto" else (strategy,):
+            plans[s] = plan_reads(index, wanted, comm.world, budget, strategy=s)
+        chosen = choose_strategy(plans, storage) if len(plans) > 1 else strategy
+        plan = plans[chosen]
+        logger.info("convert %s -> %s: %s strategy, %d waves", src, dst, chosen, len(plan.waves))
+    except Exception:
+        if run is not None:
+            run.abort(staging)
+        raise
 
     my_files = [f for f in out.files if f.writer == comm.rank]
     writers: dict[str, _FileWriter] = {}
@@ -294,8 +310,8 @@ def convert(
             background.close()
         for w in writers.values():
             w.discard()
-        if comm.rank == 0:
-            target.abort(staging)
+        if run is not None:
+            run.abort(staging)
         raise
     block_size = DEFAULT_BLOCK_SIZE if algorithm != "none" else None
     files = {
@@ -316,7 +332,7 @@ def convert(
     )
 
     def commit() -> None:
-        if comm.rank != 0:
+        if run is None:
             return
         try:
             result_index.check()
@@ -329,10 +345,10 @@ def convert(
                         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
                     ).encode(),
                 )
-            target.commit(staging, INDEX_NAME, result_index.dumps())
         except Exception:
-            target.abort(staging)
+            run.abort(staging)
             raise
+        run.commit(staging, result_index.dumps())
 
     background.close()
     comm.run_everywhere("convert: commit", commit)

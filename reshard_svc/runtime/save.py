@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,8 @@ import torch
 from reshard_svc import __version__
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
 from reshard_svc.errors import CheckpointError, StateDictError
-from reshard_svc.index import INDEX_NAME, CheckpointIndex, FileMeta, TensorMeta
+from reshard_svc.gc import TargetRun
+from reshard_svc.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
@@ -95,6 +95,8 @@ class PreparedSave:
     plan: SavePlan
     token: str
     checksum: str = "crc32c"
+    #: rank 0's hold on the target (lease, commit, abort); None on other ranks
+    run: TargetRun | None = None
 
 
 def prepare_save(
@@ -103,6 +105,7 @@ def prepare_save(
     comm: Comm,
     storage: FsspecStorage,
     checksum: str = "crc32c",
+    overwrite: bool = False,
 ) -> PreparedSave:
     """Every rank: describe the state dict, agree on it and on a token, plan the files."""
 
@@ -125,14 +128,19 @@ def prepare_save(
         sig = json.dumps(
             [p.signature() for p in placed.values()] + [sorted(extras)], sort_keys=True
         )
+        token = ""
         if comm.rank == 0:
-            storage.check_target(INDEX_NAME)
+            state["run"] = run = TargetRun(storage, "save", overwrite)
+            token = run.token
         state["placed"], state["extras"] = placed, extras
-        return {"digest": hashlib.sha256(sig.encode()).hexdigest(), "token": uuid.uuid4().hex}
+        return {"digest": hashlib.sha256(sig.encode()).hexdigest(), "token": token}
 
     state: dict[str, Any] = {}
     _, infos = comm.run_everywhere("save: describing the state dict", describe_all)
+    run: TargetRun | None = state.get("run")
     if len({i["digest"] for i in infos}) != 1:
+        if run is not None:
+            run.abort(storage.staging(run.token))
         raise StateDictError(
             "ranks passed different state dicts to save (keys, shapes, dtypes or layouts "
             "differ); every rank must save the same keys"
@@ -150,7 +158,9 @@ def prepare_save(
         token=token,
         file_suffix=staging.file_suffix,
     )
-    return PreparedSave(uri, storage, staging, placed, dict(state["extras"]), plan, token, checksum)
+    return PreparedSave(
+        uri, storage, staging, placed, dict(state["extras"]), plan, token, checksum, run
+    )
 
 
 def write_files(prep: PreparedSave, rank: int, staging: FsspecStorage | None = None) -> list[Any]:
@@ -168,13 +178,13 @@ def write_and_commit(
 ) -> CheckpointIndex:
     """Every rank: write the files the plan gives it (or take ``written_here()``, e.g. from
     a forked writer); rank 0 commits the index last."""
-    storage, staging, placed, plan = prep.storage, prep.staging, prep.placed, prep.plan
+    staging, placed, plan = prep.staging, prep.placed, prep.plan
     write = written_here or (lambda: write_files(prep, comm.rank))
     try:
         _, written = comm.run_everywhere("save: writing data files", write)
     except Exception:
-        if comm.rank == 0:
-            storage.abort(staging)
+        if prep.run is not None:
+            prep.run.abort(staging)
         raise
     block_size = DEFAULT_BLOCK_SIZE if prep.checksum != "none" else None
     files = {
@@ -195,18 +205,14 @@ def write_and_commit(
     )
 
     def commit() -> None:
-        if comm.rank != 0:
+        if prep.run is None:
             return
-        previous = _committed_files(storage)
         try:
             index.check()
-            storage.commit(staging, INDEX_NAME, index.dumps())
         except Exception:
-            storage.abort(staging)
+            prep.run.abort(staging)
             raise
-        for name in previous - set(files):
-            if staging.file_suffix:  # object stores: drop the replaced checkpoint's files
-                storage.remove(name)
+        prep.run.commit(staging, index.dumps())
         logger.info("committed %s: %d tensors, %d files", prep.uri, len(index.tensors), len(files))
 
     comm.run_everywhere("save: commit", commit)
@@ -220,24 +226,18 @@ def save(
     process_group: Any = None,
     storage_options: Mapping[str, Any] | None = None,
     checksum: str = "crc32c",
+    overwrite: bool = False,
 ) -> CheckpointIndex:
     """Save a (nested) state dict of DTensors, Tensors, ShardedTensors and JSON values.
 
     Called by every rank of ``process_group`` (default: the whole job; without an
     initialised process group, a single process). Returns the committed index.
     ``checksum``: ``"crc32c"`` (block CRCs, checked on every read), ``"sha256"`` (the
-    same plus a whole-file sha256) or ``"none"``.
+    same plus a whole-file sha256) or ``"none"``. A committed checkpoint at ``uri`` is
+    only replaced with ``overwrite=True`` (other files in its folder are kept).
     """
     algorithm = check_algorithm(checksum)
     comm = Comm(process_group)
-    prep = prepare_save(state_dict, uri, comm, open_storage(uri, storage_options), algorithm)
+    storage = open_storage(uri, storage_options)
+    prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite)
     return write_and_commit(prep, comm)
-
-
-def _committed_files(storage: FsspecStorage) -> set[str]:
-    if not storage.exists(INDEX_NAME):
-        return set()
-    try:
-        return set(CheckpointIndex.loads(storage.read(INDEX_NAME)).files)
-    except CheckpointError:
-        return set()

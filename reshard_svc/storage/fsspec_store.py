@@ -8,9 +8,10 @@ the previous checkpoint (its index and its files) stays whole and readable.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import fsspec
@@ -20,11 +21,16 @@ from reshard_svc.errors import (
     MissingFileError,
     ReshardError,
     StorageError,
+    TargetExistsError,
 )
 
 __all__ = ["FsspecStorage", "translate_errors"]
 
 logger = logging.getLogger(__name__)
+
+#: Lease records (reshard_svc.gc) are files named ``<LEASE_PREFIX><token>.json``.
+LEASE_PREFIX = ".reshard-lease-"
+INDEX_FILE = "reshard.index.json"  # reshard_svc.index.INDEX_NAME (no torch import here)
 
 
 @contextlib.contextmanager
@@ -152,8 +158,14 @@ class FsspecStorage:
 
     # ---- commit protocol
 
-    def check_target(self, index_name: str) -> None:
-        """Nothing to refuse: a save here only adds files and never deletes foreign ones."""
+    def check_target(self, index_name: str, overwrite: bool = False) -> None:
+        """Refuse to replace a committed checkpoint unless ``overwrite``. Nothing else to
+        refuse: a save here only adds files and never deletes foreign ones."""
+        if not overwrite and self.exists(index_name):
+            raise TargetExistsError(
+                f"{self.uri} already holds a committed checkpoint; pass overwrite=True "
+                '(--overwrite, "overwrite": true) to replace it, or pick a new target'
+            )
 
     def staging(self, token: str) -> FsspecStorage:
         # Same folder, same backend class: data files get a token suffix (see module doc).
@@ -165,15 +177,96 @@ class FsspecStorage:
             _root=self.root,
         )
 
-    def commit(self, staging: Any, index_name: str, index_bytes: bytes) -> None:
-        # The index is the commit: one PUT, after every data file is complete.
-        self.write(index_name, index_bytes)
+    def commit(
+        self,
+        staging: Any,
+        index_name: str,
+        index_bytes: bytes,
+        replaced: Collection[str] = (),
+    ) -> None:
+        """The index is the commit: one PUT, after every data file is complete. Then the
+        data files of the ``replaced`` checkpoint that the new index does not name go."""
+        try:
+            self.write(index_name, index_bytes)
+        except StorageError:
+            # A PUT whose answer was lost may still have taken effect.
+            if not self._holds(index_name, index_bytes):
+                raise
+        new = set(json.loads(index_bytes).get("files", {}))
+        for name in sorted(replaced):
+            if name.endswith(".safetensors") and name not in new:
+                try:
+                    self.remove(name)
+                except StorageError:  # committed; the lease lets collect() finish this
+                    logger.warning("could not remove replaced %s", self.path(name))
+                    self._leftovers = True
+
+    _leftovers = False
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        try:
+            return self.read(name) == data
+        except StorageError:
+            return False
+
+    def pending(self, token: str) -> bool:
+        """Whether a run left something ``collect`` must still finish."""
+        return self._leftovers
 
     def abort(self, staging: Any) -> None:
         suffix = staging.file_suffix
-        if not suffix:
+        if not suffix or self._holds_suffix(suffix):
             return
         for name in self.listdir():
             if name.endswith(f"{suffix}.safetensors"):
                 with contextlib.suppress(StorageError):
                     self.remove(name)
+
+    def _holds_suffix(self, suffix: str) -> bool:
+        """Whether the committed index names files of this run (then it is committed)."""
+        try:
+            files = json.loads(self.read(INDEX_FILE)).get("files", {})
+        except (StorageError, ValueError, AttributeError):
+            return False
+        return any(str(n).endswith(f"{suffix}.safetensors") for n in files)
+
+    # ---- leases and garbage collection (see reshard_svc.gc)
+
+    def lease_path(self, token: str) -> str:
+        return self.path(f"{LEASE_PREFIX}{token}.json")
+
+    def write_lease(self, token: str, data: bytes) -> None:
+        self.write(f"{LEASE_PREFIX}{token}.json", data)
+
+    def remove_lease(self, token: str) -> None:
+        self.remove(f"{LEASE_PREFIX}{token}.json")
+
+    def read_leases(self) -> dict[str, bytes]:
+        """Token -> lease record of every lease on this folder."""
+        out = {}
+        for name in self.listdir():
+            if name.startswith(LEASE_PREFIX) and name.endswith(".json"):
+                with contextlib.suppress(MissingFileError):  # released meanwhile
+                    out[name[len(LEASE_PREFIX) : -5]] = self.read(name)
+        return out
+
+    def orphan_tokens(self) -> list[str]:
+        """Runs with leftovers but no lease. On object stores, none is ever assumed: a
+        file is only known to be staging data through its run's lease."""
+        return []
+
+    def collect_run(
+        self, token: str, replaced: set[str] | None, current: set[str], report: Any,
+        dry_run: bool,
+    ) -> None:  # fmt: skip
+        """Remove a dead run's files: its uncommitted data files and, if its commit
+        landed (``current`` names its files), the files it replaced."""
+        suffix = f"-{token[:12]}.safetensors"
+        names = set(self.listdir())
+        doomed = {n for n in names if n.endswith(suffix) and n not in current}
+        if replaced and any(n.endswith(suffix) for n in current):
+            doomed |= (replaced & names) - current
+        for name in sorted(doomed):
+            report.removed.append(self.path(name))
+            if not dry_run:
+                self.remove(name)

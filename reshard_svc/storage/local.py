@@ -9,16 +9,22 @@ destroyed before the new one commits.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
+import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import IO, Any
 
-from reshard_svc.errors import CheckpointError, CorruptCheckpointError
+from reshard_svc.errors import CheckpointError, CorruptCheckpointError, TargetExistsError
+from reshard_svc.index import INDEX_NAME
 from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
 
 __all__ = ["LocalStorage"]
+
+logger = logging.getLogger(__name__)
+_TOKEN = re.compile(r"[0-9a-f]{32}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -142,10 +148,18 @@ class LocalStorage(FsspecStorage):
         parent, name = os.path.split(self.root)
         return os.path.join(parent, f".{name}.{kind}-{token}")
 
-    def check_target(self, index_name: str) -> None:
-        """Refuse to replace a non-empty folder that is not a checkpoint."""
+    def check_target(self, index_name: str, overwrite: bool = False) -> None:
+        """Refuse to replace a committed checkpoint (unless ``overwrite``), and to write
+        into a non-empty folder that is not one."""
         if os.path.isdir(self.root):
-            if os.listdir(self.root) and not os.path.exists(self.path(index_name)):
+            if os.path.exists(self.path(index_name)):
+                if not overwrite:
+                    raise TargetExistsError(
+                        f"{self.root} already holds a committed checkpoint; pass "
+                        'overwrite=True (--overwrite, "overwrite": true) to replace it, '
+                        "or pick a new target"
+                    )
+            elif os.listdir(self.root):
                 raise CheckpointError(
                     f"{self.root} exists and is not a reshard checkpoint (no {index_name}); "
                     "refusing to replace it: pick an empty or new target"
@@ -156,18 +170,156 @@ class LocalStorage(FsspecStorage):
     def staging(self, token: str) -> LocalStorage:
         return LocalStorage(self._sibling("staging", token))
 
-    def commit(self, staging: Any, index_name: str, index_bytes: bytes) -> None:
+    def commit(
+        self,
+        staging: Any,
+        index_name: str,
+        index_bytes: bytes,
+        replaced: Collection[str] = (),
+    ) -> None:
+        """Write the index into the staging folder (the commit is now decided), move the
+        target's foreign files (those not in ``replaced``) into it, and swap folders."""
         staging.write(index_name, index_bytes)
         _fsync_dir(staging.root)
         token = os.path.basename(staging.root).rsplit("staging-", 1)[-1]
-        old = self._sibling("old", token)
+        self.finish_commit(token, set(replaced) | {index_name}, strict=True)
+
+    def finish_commit(self, token: str, replaced: set[str] | None, strict: bool) -> list[str]:
+        """Complete a decided commit (also after a crash; idempotent). ``replaced=None``:
+        unknown, so everything in the target moves into the new checkpoint. Returns the
+        paths kept because they could not be placed (never with ``strict``, which raises)."""
+        staging, old = self._sibling("staging", token), self._sibling("old", token)
         with translate_errors("commit", self.root):
             os.makedirs(os.path.dirname(self.root), exist_ok=True)
-            if os.path.exists(self.root):
-                os.rename(self.root, old)
-            os.rename(staging.root, self.root)
-            _fsync_dir(os.path.dirname(self.root))
-        shutil.rmtree(old, ignore_errors=True)
+            if os.path.isdir(staging):
+                if os.path.isdir(self.root):
+                    new = set(os.listdir(staging))
+                    foreign = [n for n in os.listdir(self.root) if n not in (replaced or ())]
+                    clash = sorted(n for n in foreign if n in new)
+                    if clash and strict:
+                        raise CheckpointError(
+                            f"{self.root} holds {', '.join(clash[:3])}, which the replaced "
+                            "checkpoint does not list but the new one writes: move it away"
+                        )
+                    for n in foreign:
+                        if n not in new:
+                            os.rename(os.path.join(self.root, n), os.path.join(staging, n))
+                    _fsync_dir(staging)
+                    os.rename(self.root, old)
+                os.rename(staging, self.root)
+                _fsync_dir(os.path.dirname(self.root))
+        return self._drop_old(old, replaced)
+
+    def _drop_old(self, old: str, replaced: set[str] | None) -> list[str]:
+        """Delete the replaced checkpoint's files from ``old``; keep the folder if anything
+        else is left (it is not ours to delete)."""
+        if not os.path.isdir(old):
+            return []
+        if replaced is not None:
+            for n in os.listdir(old):
+                if n in replaced:
+                    p = os.path.join(old, n)
+                    if os.path.isdir(p) and not os.path.islink(p):
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(p)
+            with contextlib.suppress(OSError):
+                os.rmdir(old)
+        return [old] if os.path.isdir(old) else []
 
     def abort(self, staging: Any) -> None:
+        """Drop uncommitted data. A staging folder that holds the index is a decided
+        commit (it may hold the target's foreign files): ``collect`` finishes it."""
+        if os.path.isfile(os.path.join(staging.root, INDEX_NAME)):
+            logger.warning("commit into %s did not finish; `reshard gc` completes it", self.root)
+            return
         shutil.rmtree(staging.root, ignore_errors=True)
+
+    def pending(self, token: str) -> bool:
+        """Whether a run left something ``collect`` must still finish."""
+        return any(os.path.exists(self._sibling(k, token)) for k in ("staging", "old"))
+
+    # ---- leases and garbage collection (see reshard_svc.gc)
+
+    def lease_path(self, token: str) -> str:
+        return self._sibling("lease", token) + ".json"
+
+    def write_lease(self, token: str, data: bytes) -> None:
+        path = self.lease_path(token)
+        with translate_errors("write", path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # never a torn record
+
+    def remove_lease(self, token: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.lease_path(token))
+
+    def _siblings(self) -> dict[str, dict[str, str]]:
+        """token -> {kind: path} of this target's staging / old / lease siblings."""
+        parent, name = os.path.split(self.root)
+        prefix = f".{name}."
+        out: dict[str, dict[str, str]] = {}
+        try:
+            entries = os.listdir(parent)
+        except FileNotFoundError:
+            return out
+        for entry in entries:
+            if not entry.startswith(prefix):
+                continue
+            kind, sep, token = entry[len(prefix) :].partition("-")
+            if kind == "lease" and token.endswith(".json"):
+                token = token[:-5]
+            elif kind not in ("staging", "old"):
+                continue
+            if sep and _TOKEN.fullmatch(token):
+                out.setdefault(token, {})[kind] = os.path.join(parent, entry)
+        return out
+
+    def read_leases(self) -> dict[str, bytes]:
+        out = {}
+        for token, kinds in self._siblings().items():
+            if "lease" in kinds:
+                with contextlib.suppress(FileNotFoundError):
+                    with open(kinds["lease"], "rb") as f:
+                        out[token] = f.read()
+        return out
+
+    def orphan_tokens(self) -> list[str]:
+        """Runs with a staging or old folder (names only reshard writes) and no lease."""
+        return [t for t, kinds in self._siblings().items() if "lease" not in kinds]
+
+    def collect_run(
+        self, token: str, replaced: set[str] | None, current: set[str], report: Any,
+        dry_run: bool,
+    ) -> None:  # fmt: skip
+        """Finish a decided commit, drop uncommitted data, roll back a half-swapped one."""
+        del current  # a local commit is one folder swap: its state is on disk
+        staging, old = self._sibling("staging", token), self._sibling("old", token)
+        decided = os.path.isfile(os.path.join(staging, INDEX_NAME))
+        if decided:
+            report.rolled_forward.append(staging)
+            if not dry_run:
+                report.kept += self.finish_commit(token, replaced, strict=False)
+            return
+        if os.path.isdir(staging):
+            report.removed.append(staging)
+            if not dry_run:
+                shutil.rmtree(staging, ignore_errors=True)
+        if os.path.isdir(old):
+            if os.path.exists(self.root):  # the swap finished; only the cleanup did not
+                if dry_run:
+                    report.removed.append(old)
+                else:
+                    kept = self._drop_old(old, replaced)
+                    report.kept += kept
+                    if not kept:
+                        report.removed.append(old)
+            else:  # crashed between the two renames, before the new one was in place
+                report.rolled_back.append(old)
+                if not dry_run:
+                    with translate_errors("roll back", self.root):
+                        os.rename(old, self.root)

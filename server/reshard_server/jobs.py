@@ -167,6 +167,21 @@ class JobManager:
         if state == "succeeded":
             self.bytes_converted += int(job.progress.get("bytes_total", 0))
         logger.info("job %s: %s%s", job.id, state, f" ({error})" if error else "")
+        if state in ("failed", "cancelled"):
+            self._collect(job)
+
+    def _collect(self, job: JobRow) -> None:
+        """Remove the staging data of a job whose workers are gone (all its attempts hold
+        leases owned by ``reshard-job-<id>``). Another run into the target is untouched."""
+        from reshard_svc.gc import collect
+
+        try:
+            report = collect(job.spec["target"], owner=f"reshard-job-{job.id}")
+        except Exception:
+            logger.warning("job %s: could not collect its staging data", job.id, exc_info=True)
+            return
+        if report:
+            logger.info("job %s: collected %d leftovers", job.id, len(report.removed))
 
     def _launch(self, job: JobRow) -> None:
         token = secrets.token_urlsafe(32)

@@ -47,7 +47,7 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
         {"name": JOB_ENV, "value": launch.job_id},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
-    for name in ("RESHARD_CALLBACK_URL", "RESHARD_CALLBACK_TOKEN", *PASSED_ENV):
+    for name in ("RESHARD_JOB_ID", "RESHARD_CALLBACK_URL", "RESHARD_CALLBACK_TOKEN", *PASSED_ENV):
         if launch.env.get(name):
             env.append({"name": name, "value": launch.env[name]})
     if settings.k8s_storage_secret:

@@ -11,6 +11,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictBool,
     StrictInt,
     ValidationInfo,
     field_validator,
@@ -89,6 +90,16 @@ class JobCreate(BaseModel):
     )
     max_shard_size: str | None = Field(
         default=None, max_length=32, description="HF export: cap per file, e.g. 5GB"
+    )
+    overwrite: StrictBool = Field(
+        default=False,
+        description="replace a committed checkpoint at the target (other files there are kept)",
+    )
+    only: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        default=None, max_length=1000, description="keep only tensors matching these globs"
+    )
+    strip_prefix: str | None = Field(
+        default=None, min_length=1, max_length=1024, description="drop this name prefix"
     )
 
     @field_validator("mesh", mode="before")

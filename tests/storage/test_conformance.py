@@ -70,7 +70,7 @@ def test_partial_load_reads_only_the_needed_ranges(root, checksum):
 
 
 def _fail_commit(monkeypatch):
-    def boom(self, staging, index_name, index_bytes):
+    def boom(self, staging, index_name, index_bytes, replaced=()):
         raise StorageError("injected failure before commit")
 
     monkeypatch.setattr(type(open_storage("/tmp")), "commit", boom)
@@ -98,12 +98,12 @@ def test_overwrite_keeps_old_checkpoint_until_new_one_commits(root, monkeypatch)
     with monkeypatch.context() as m:
         _fail_commit(m)
         with pytest.raises(StorageError):
-            reshard_svc.save(new, uri)
+            reshard_svc.save(new, uri, overwrite=True)
     out = zeros_like(old)
     reshard_svc.load(out, uri)
     assert_same(old, out)
     assert reshard_svc.verify(uri).ok
-    reshard_svc.save(new, uri)
+    reshard_svc.save(new, uri, overwrite=True)
     out = zeros_like(new)
     reshard_svc.load(out, uri)
     assert_same(new, out)

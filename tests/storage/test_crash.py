@@ -5,12 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 import reshard_svc
 from reshard_svc.errors import NotACheckpointError
+from reshard_svc.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.storage import open_storage
 
 CHILD = textwrap.dedent(
     """
@@ -23,7 +26,7 @@ CHILD = textwrap.dedent(
 
     LocalStorage.commit = die
     FsspecStorage.commit = die
-    reshard_svc.save({"w": torch.full((64, 64), float(sys.argv[2]))}, sys.argv[1])
+    reshard_svc.save({"w": torch.full((64, 64), float(sys.argv[2]))}, sys.argv[1], overwrite=True)
     """
 )
 
@@ -42,13 +45,24 @@ def test_sigkill_before_commit(tmp_path, request, backend):
     assert not reshard_svc.verify(uri).ok
 
     # With a committed checkpoint in place, a killed overwrite leaves the old one intact.
-    reshard_svc.save({"w": torch.full((64, 64), 2.0)}, uri)
+    reshard_svc.save({"w": torch.full((64, 64), 2.0)}, uri, overwrite=True)
     assert run_child(uri, 3.0) == -9
     out = {"w": torch.zeros(64, 64)}
     reshard_svc.load(out, uri)
     assert torch.equal(out["w"], torch.full((64, 64), 2.0))
     assert reshard_svc.verify(uri).ok
-    # And the next save succeeds.
-    reshard_svc.save({"w": torch.full((64, 64), 4.0)}, uri)
+    # And the next save succeeds, and collects what the killed ones left (their leases
+    # name a process that is gone).
+    reshard_svc.save({"w": torch.full((64, 64), 4.0)}, uri, overwrite=True)
     reshard_svc.load(out, uri)
     assert out["w"][0, 0].item() == 4.0
+    assert leftovers(root, uri) == []
+
+
+def leftovers(root: str, uri: str) -> list[str]:
+    """Staging data, old folders and leases of the target, or data files no index names."""
+    if root.startswith("s3://"):
+        storage = open_storage(uri)
+        named = set(CheckpointIndex.loads(storage.read(INDEX_NAME)).files)
+        return [n for n in storage.listdir() if n != INDEX_NAME and n not in named]
+    return sorted(p.name for p in Path(root).iterdir() if p.name.startswith(".ck."))

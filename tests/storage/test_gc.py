@@ -1,0 +1,170 @@
+"""Overwrite policy, leases and garbage collection, on every backend and on real crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import reshard_svc
+from reshard_svc import gc
+from reshard_svc.errors import TargetExistsError
+from reshard_svc.index import INDEX_NAME
+from reshard_svc.storage import open_storage
+from tests.cli import reshard as run_cli
+
+
+def sd(value: float) -> dict:
+    return {"w": torch.full((64, 32), value), "b": torch.arange(7.0) + value}
+
+
+def read(uri: str) -> float:
+    out = {"w": torch.zeros(64, 32), "b": torch.zeros(7)}
+    reshard_svc.load(out, uri)
+    assert torch.equal(out["b"], torch.arange(7.0) + out["w"][0, 0])
+    return float(out["w"][0, 0])
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_overwrite_needs_consent_and_keeps_foreign_files(root):
+    uri = f"{root}/ck"
+    reshard_svc.save(sd(1.0), uri)
+    storage = open_storage(uri)
+    storage.write("mine.txt", b"keep me")
+    with pytest.raises(TargetExistsError, match="overwrite=True"):
+        reshard_svc.save(sd(2.0), uri)
+    reshard_svc.convert(uri, uri + "x")
+    with pytest.raises(TargetExistsError):
+        reshard_svc.convert(uri + "x", uri)
+    assert read(uri) == 1.0
+    reshard_svc.save(sd(2.0), uri, overwrite=True)
+    assert read(uri) == 2.0
+    assert storage.read("mine.txt") == b"keep me"
+    # Exactly the new checkpoint's files, the index and the foreign file are left.
+    index = json.loads(storage.read(INDEX_NAME))
+    assert set(storage.listdir()) == {*index["files"], INDEX_NAME, "mine.txt"}
+
+
+def test_cli_convert_overwrite_repro(tmp_path):
+    """The issue's repro: a foreign file in the target survives an overwrite."""
+    reshard_svc.save(sd(3.0), str(tmp_path / "ck"))
+    reshard_svc.save(sd(4.0), str(tmp_path / "tgt"))
+    (tmp_path / "tgt" / "mine.txt").write_text("x")
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "tgt"), "--mesh", "tp=1")
+    assert r.returncode == 2 and "--overwrite" in r.stderr and "Traceback" not in r.stderr
+    assert read(str(tmp_path / "tgt")) == 4.0
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "tgt"), "--mesh", "tp=1",
+                "--overwrite")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert read(str(tmp_path / "tgt")) == 3.0
+    assert (tmp_path / "tgt" / "mine.txt").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "tgt"]
+
+
+def fake_run(storage, token: str, *, pid: int, expires_in: float, owner: str = "") -> None:
+    """What a run that died after writing its data (and before committing) leaves."""
+    now = time.time()
+    rec = gc.LeaseRecord(token, "save", owner, os.uname().nodename, pid, now, now + expires_in)
+    storage.write_lease(token, rec.dumps())
+    staging = storage.staging(token)
+    staging.write(f"data{staging.file_suffix}.safetensors", b"x" * 100)
+
+
+@pytest.mark.parametrize(
+    ("pid", "expires_in", "owner", "collected"),
+    [
+        (None, 60, "", False),  # live: this process holds it
+        ("dead", 60, "", True),  # its process is gone
+        (None, -1, "", True),  # expired
+        (None, 60, "reshard-job-7", True),  # the server says job 7 is over
+    ],
+)
+def test_collect_only_stale_runs(root, pid, expires_in, owner, collected):
+    uri = f"{root}/ck"
+    reshard_svc.save(sd(5.0), uri)
+    storage = open_storage(uri)
+    before = set(storage.listdir())
+    token = "ab" * 16
+    fake_run(storage, token, pid=os.getpid() if pid is None else dead_pid(),
+             expires_in=expires_in, owner=owner)  # fmt: skip
+    dry = gc.collect(uri, owner=owner or None, dry_run=True)
+    assert bool(dry) == collected
+    report = gc.collect(uri, owner=owner or None)
+    assert bool(report) == collected
+    assert (report.live == [token]) != collected
+    if collected:
+        assert set(storage.listdir()) == before
+        assert storage.read_leases() == {}
+        if not root.startswith(("memory", "s3")):
+            assert [p for p in os.listdir(root) if p.startswith(".ck.")] == []
+    assert read(uri) == 5.0
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    import reshard_svc.storage.local as local
+
+    real = os.rename
+    def rename(a, b):
+        # Die at the chosen step of the local commit's folder swap.
+        if sys.argv[2] == "swap" and ".staging-" in a and ".old-" not in b:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(a, b)
+        if sys.argv[2] == "moved" and ".old-" in b:
+            os.kill(os.getpid(), signal.SIGKILL)
+    local.os.rename = rename
+    import reshard_svc
+    reshard_svc.save({"w": torch.full((64, 32), 9.0), "b": torch.arange(7.0) + 9.0},
+                     sys.argv[1], overwrite=True)
+    """
+)
+
+
+@pytest.mark.parametrize("step", ["moved", "swap"])
+def test_interrupted_local_commit_is_finished(tmp_path, step):
+    """Killed after the target moved aside (the new index is in staging): gc rolls the
+    commit forward, and the foreign file moves with it."""
+    uri = str(tmp_path / "ck")
+    reshard_svc.save(sd(1.0), uri)
+    (tmp_path / "ck" / "notes.txt").write_text("mine")
+    r = subprocess.run([sys.executable, "-c", CHILD, uri, step], timeout=120, check=False)
+    assert r.returncode == -9
+    assert not (tmp_path / "ck").exists()  # mid-swap: neither folder in place
+    out = run_cli("gc", uri, "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert len(report["rolled_forward"]) == 1
+    assert read(uri) == 9.0
+    assert (tmp_path / "ck" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_half_swapped_commit_without_decided_index_rolls_back(tmp_path):
+    uri = str(tmp_path / "ck")
+    reshard_svc.save(sd(2.0), uri)
+    storage = open_storage(uri)
+    token = "cd" * 16
+    os.rename(uri, storage._sibling("old", token))  # crashed right after moving it aside
+    out = run_cli("gc", uri)
+    assert out.returncode == 0 and "restore" in out.stdout
+    assert read(uri) == 2.0
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["ck"]
+
+
+def test_gc_of_a_clean_folder_says_so(tmp_path):
+    reshard_svc.save(sd(1.0), str(tmp_path / "ck"))
+    out = run_cli("gc", str(tmp_path / "ck"))
+    assert out.returncode == 0 and "nothing to collect" in out.stdout
