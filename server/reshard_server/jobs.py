@@ -163,12 +163,12 @@ class JobManager:
             return False
 
     def _finish(self, job: JobRow, state: str, error: str | None) -> None:
+        if state in ("failed", "cancelled"):
+            self._collect(job)  # before the state says so: a client may look right away
         self.store.update(job.id, state=state, error=error, finished_at=time.time())
         if state == "succeeded":
             self.bytes_converted += int(job.progress.get("bytes_total", 0))
         logger.info("job %s: %s%s", job.id, state, f" ({error})" if error else "")
-        if state in ("failed", "cancelled"):
-            self._collect(job)
 
     def _collect(self, job: JobRow) -> None:
         """Remove the staging data of a job whose workers are gone (all its attempts hold

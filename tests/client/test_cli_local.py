@@ -105,3 +105,28 @@ def test_submit_with_invalid_values_prints_one_error_line(tmp_path):
         r = reshard("submit", "/a", "/b", *args, "--url", "http://127.0.0.1:9")
         assert r.returncode == 2, (args, r.stderr)
         assert "error: invalid job" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_hf_export_of_the_model_only(tmp_path):
+    """--only/--strip-prefix turn a training checkpoint into a loadable model folder."""
+    from safetensors.torch import load_file
+
+    model = {"embed.weight": torch.randn(16, 8), "layers.0.mlp.weight": torch.randn(8, 8)}
+    optim = {"state": {"embed.weight": {"exp_avg": torch.randn(16, 8)}}}
+    src = str(tmp_path / "train")
+    reshard_svc.save({"model": model, "optim": optim, "step": 5}, src)
+    hf = str(tmp_path / "hf")
+    r = reshard("convert", src, hf, "--format", "hf", "--only", "model.*",
+                "--strip-prefix", "model.")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(hf, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert sorted(weight_map) == sorted(model)
+    loaded = {}
+    for name in set(weight_map.values()):
+        loaded.update(load_file(os.path.join(hf, name)))
+    assert loaded.keys() == model.keys()
+    for k, v in model.items():
+        assert torch.equal(loaded[k], v), k
+    r = reshard("convert", src, str(tmp_path / "none"), "--format", "hf", "--only", "nope.*")
+    assert r.returncode == 2 and "matches no tensor" in r.stderr and "Traceback" not in r.stderr

@@ -108,6 +108,13 @@ def test_cancel_mid_job(server, tmp_path):
     with pytest.raises(NotACheckpointError):
         reshard_svc.inspect(dst)
     assert job_pids(job_id) == []
+    assert leftovers(dst) == []  # the server collected the job's staging data
+
+
+def leftovers(dst: str) -> list[str]:
+    """Staging / old folders and leases beside ``dst``."""
+    parent, name = os.path.split(dst)
+    return [p for p in os.listdir(parent) if p.startswith(f".{name}.")]
 
 
 def test_kill9_server_mid_job_then_restart(make_server, tmp_path):
@@ -125,6 +132,7 @@ def test_kill9_server_mid_job_then_restart(make_server, tmp_path):
         assert final.state.value == "succeeded", final.error
         assert final.attempts == 2
     assert reshard_svc.verify(dst).ok
+    assert leftovers(dst) == []  # the first attempt's staging went with its dead lease
 
 
 def test_idempotency_key_sequential_and_concurrent(server, tmp_path):
