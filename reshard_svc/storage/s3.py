@@ -11,13 +11,22 @@ itself through s3fs's ``call_s3`` (same client, credentials and endpoint setting
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 from typing import IO, Any, cast
 
 from reshard_svc.checksums import crc32c
+from reshard_svc.errors import StorageError
 from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
 
 __all__ = ["S3ChecksumWriter", "S3Storage", "crc32c_b64"]
+
+logger = logging.getLogger(__name__)
+
+#: botocore's "standard" retry mode: 5xx, SlowDown and throttling, connection resets and
+#: timeouts, with jittered exponential backoff. s3fs adds its own retries on top. A
+#: caller's own ``config_kwargs={"retries": ...}`` wins.
+RETRIES = {"max_attempts": 10, "mode": "standard"}
 
 #: Bytes per uploaded part (S3 allows 5 MiB to 5 GiB, at most 10,000 parts per object).
 PART_SIZE = 32 * 1024 * 1024
@@ -41,6 +50,7 @@ class S3ChecksumWriter:
         self.parts: list[dict[str, Any]] = []
         self.upload_id: str | None = None
         self.closed = False
+        self.size = 0
 
     def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         with translate_errors(method, self.path):
@@ -49,6 +59,7 @@ class S3ChecksumWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.buffer += view
+        self.size += view.nbytes
         while len(self.buffer) >= self.part_size:
             if len(self.parts) >= MAX_PARTS - 1:
                 self.part_size *= 2  # keep very large objects within S3's part limit
@@ -102,15 +113,31 @@ class S3ChecksumWriter:
         else:
             if self.buffer:
                 self._upload_part(bytes(self.buffer))
-            self._call(
-                "complete_multipart_upload",
-                Bucket=self.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                MultipartUpload={"Parts": self.parts},
-            )
+            try:
+                self._call(
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": self.parts},
+                )
+            except StorageError:
+                # The answer to a completion that took effect can be lost; the client's
+                # retry then finds no such upload. The object tells whether it happened.
+                if not self._completed():
+                    raise
         self.buffer = bytearray()
         self.fs.invalidate_cache(self.path)
+
+    def _completed(self) -> bool:
+        """Whether this upload's object exists: same size, one ETag suffix per part."""
+        try:
+            head = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key)
+        except Exception:
+            return False
+        return int(head.get("ContentLength", -1)) == self.size and str(
+            head.get("ETag", "")
+        ).strip('"').endswith(f"-{len(self.parts)}")
 
     def discard(self) -> None:
         """Drop what was uploaded (an unfinished multipart upload leaves no object)."""
@@ -124,6 +151,8 @@ class S3ChecksumWriter:
                     Key=self.key,
                     UploadId=self.upload_id,
                 )
+            except StorageError:  # already aborted (a lost answer), or the store expires it
+                logger.warning("could not abort the upload of %s", self.path)
             finally:
                 self.upload_id = None
 
@@ -139,6 +168,15 @@ class S3ChecksumWriter:
 
 class S3Storage(FsspecStorage):
     """A checkpoint folder on S3 (or an S3-compatible store) whose uploads carry CRC32C."""
+
+    def __init__(self, uri: str, storage_options: Any = None, **kwargs: Any) -> None:
+        if "_fs" not in kwargs:
+            options = dict(storage_options or {})
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("retries", dict(RETRIES))
+            options["config_kwargs"] = config
+            storage_options = options
+        super().__init__(uri, storage_options, **kwargs)
 
     def open_write(self, name: str) -> IO[bytes]:
         return cast(IO[bytes], S3ChecksumWriter(self.fs, self.path(name)))
