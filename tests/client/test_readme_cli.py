@@ -1,0 +1,69 @@
+"""Every command of the README's "CLI" section runs, in order, with the README's rules file."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import torch
+
+import reshard_svc
+from tests.cli import reshard
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def section(name: str, lang: str) -> str:
+    block = re.search(
+        rf"<!-- {name}:start -->\s*```{lang}\n(.*?)```\s*<!-- {name}:end -->", README.read_text(), re.S
+    )
+    assert block, f"README lost its {name} block"
+    return block.group(1)
+
+
+def commands() -> list[list[str]]:
+    """Each ``reshard ...`` line, comment dropped; ``[--opt]`` parts run without, then with."""
+    out = []
+    for line in section("cli", "bash").splitlines():
+        line = line.split("  #")[0].strip()
+        if not line.startswith("reshard "):
+            continue
+        optional = re.findall(r"\[([^\]]+)\]", line)
+        base = shlex.split(re.sub(r"\s*\[[^\]]+\]", "", line))[1:]
+        out.append(base)
+        if optional:
+            out.append(base + [a for opt in optional for a in shlex.split(opt)])
+    return out
+
+
+def test_readme_cli_commands(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "model.layers.0.wqkv.weight": torch.randn(48, 32, generator=g),
+        "model.layers.0.wo.weight": torch.randn(32, 32, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g),
+        "model.embed.weight": torch.randn(64, 32, generator=g),
+        "optim.state.embed.exp_avg": torch.randn(64, 32, generator=g),
+    }
+    reshard_svc.save(sd, str(tmp_path / "plain"))
+    reshard_svc.convert(str(tmp_path / "plain"), str(tmp_path / "ckpt-tp8"), mesh="tp=8",
+                        rules={"*": "S(0)"})  # fmt: skip
+    (tmp_path / "rules.yaml").write_text(section("rules", "yaml"))
+    cmds = commands()
+    assert len(cmds) >= 8
+    for argv in cmds:
+        r = reshard(*argv, cwd=tmp_path)
+        assert r.returncode == 0, f"reshard {' '.join(argv)}: {r.stderr[-1500:]}"
+        assert "Traceback" not in r.stderr
+    two_d = reshard_svc.inspect(str(tmp_path / "ckpt-2d"))
+    assert two_d.tensors["model.norm.weight"].dtype == torch.bfloat16
+    assert two_d.tensors["model.layers.0.wo.weight"].layout.mesh.shape == (2, 2)
+    with open(tmp_path / "model-hf" / "model.safetensors.index.json") as f:
+        names = set(json.load(f)["weight_map"])
+    assert names == {n.removeprefix("model.") for n in sd if n.startswith("model.")}
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reshard_svc.load(out, str(tmp_path / "ckpt-tp4"))
+    for k in sd:
+        assert torch.equal(out[k], sd[k]), k
