@@ -58,6 +58,12 @@ def open_checkpoint(
     """Open a checkpoint folder and describe it. Raises NotACheckpointError if it is none."""
     storage = uri if isinstance(uri, FsspecStorage) else open_storage(uri, storage_options)
     names = storage.listdir()
+    if names in ([], [storage.root.rsplit("/", 1)[-1]]) and storage.fs.isfile(storage.root):
+        raise NotACheckpointError(
+            f"{storage.uri} is a file, not a checkpoint folder: pass the folder that holds it"
+        )
+    if not names and not storage.fs.exists(storage.root):
+        raise NotACheckpointError(f"{storage.uri} does not exist: check the path")
     if INDEX_NAME in names:
         index = CheckpointIndex.loads(storage.read(INDEX_NAME), f"{storage.uri}/{INDEX_NAME}")
         index.check()

@@ -79,7 +79,13 @@ class FaultProxy:
                 self.counts["no such upload"] += 1
                 return "nosuchupload"
             x = self.rng.random()
-            fate = "slowdown" if x < self.slowdown else "lose" if x < self.slowdown + self.lose else "ok"
+            fate = (
+                "slowdown"
+                if x < self.slowdown
+                else "lose"
+                if x < self.slowdown + self.lose
+                else "ok"
+            )
             self.counts[fate] += 1
             return fate
 

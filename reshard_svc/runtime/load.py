@@ -131,9 +131,19 @@ def load(
             raise StateDictError(
                 f"load({uri!r}): {'; '.join(parts)} (pass strict=False to load the rest)"
             )
+        casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
         for name in sorted(tensor_keys & set(index.tensors)):
+            value = leaves[name].value
+            local = getattr(value, "_local_tensor", value)
+            if getattr(value, "is_meta", False) or getattr(local, "is_meta", False):
+                raise StateDictError(
+                    f"{name!r} is a meta tensor, which has no storage to load into: "
+                    "materialize the model first (e.g. model.to_empty(device=...))"
+                )
             p = describe(leaves[name], comm)
             meta = index.tensors[name]
+            if p.dtype != meta.dtype:
+                casts.setdefault((meta.dtype, p.dtype), []).append(name)
             if p.shape != meta.shape:
                 raise StateDictError(
                     f"{name!r}: state_dict has shape {list(p.shape)} but the checkpoint "
@@ -142,6 +152,12 @@ def load(
             placed[name] = p
         for name in sorted(extra_keys & set(index.extras)):
             leaves[name].parent[leaves[name].key] = index.extras[name]
+        if comm.rank == 0:
+            for (stored, wanted), names in casts.items():
+                logger.warning(
+                    "load(%r): casting %d tensor(s) stored as %s to %s (e.g. %r)",
+                    uri, len(names), stored, wanted, names[0],
+                )  # fmt: skip
 
     comm.run_everywhere(f"load({uri!r}): matching keys", prepare)
     gather_holders(placed, comm)

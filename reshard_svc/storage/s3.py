@@ -135,9 +135,9 @@ class S3ChecksumWriter:
             head = self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key)
         except Exception:
             return False
-        return int(head.get("ContentLength", -1)) == self.size and str(
-            head.get("ETag", "")
-        ).strip('"').endswith(f"-{len(self.parts)}")
+        return int(head.get("ContentLength", -1)) == self.size and str(head.get("ETag", "")).strip(
+            '"'
+        ).endswith(f"-{len(self.parts)}")
 
     def discard(self) -> None:
         """Drop what was uploaded (an unfinished multipart upload leaves no object)."""

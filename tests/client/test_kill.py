@@ -97,7 +97,7 @@ def kill_at_random_points(root: str, points: int, seed: int) -> None:
         r = reshard("convert", src, dst, "--mesh", "tp=2", "--overwrite")
         assert r.returncode == 0, f"point {i}: rerun failed: {r.stderr[-1500:]}"
         assert_holds(dst, sd)
-        leftovers = [p for p in _siblings(root, f"dst{i}")]
+        leftovers = _siblings(root, f"dst{i}")
         assert leftovers == [], f"point {i}: rerun left {leftovers}"
 
 

@@ -17,7 +17,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def section(name: str, lang: str) -> str:
     block = re.search(
-        rf"<!-- {name}:start -->\s*```{lang}\n(.*?)```\s*<!-- {name}:end -->", README.read_text(), re.S
+        rf"<!-- {name}:start -->\s*```{lang}\n(.*?)```\s*<!-- {name}:end -->",
+        README.read_text(),
+        re.S,
     )
     assert block, f"README lost its {name} block"
     return block.group(1)

@@ -16,6 +16,7 @@ from reshard_svc.errors import (
     CorruptCheckpointError,
     InconsistentIndexError,
     MissingFileError,
+    NotACheckpointError,
     StateDictError,
     UnsafePickleError,
     UnsupportedFormatError,
@@ -351,3 +352,28 @@ def test_deeply_nested_json_is_a_typed_error(ckpt, tmp_path):
     (p / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
         reshard_svc.inspect(str(p))
+
+
+def test_paths_that_are_not_checkpoint_folders_say_why(tmp_path):
+    with pytest.raises(NotACheckpointError, match="does not exist"):
+        reshard_svc.inspect(str(tmp_path / "nope"))
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "one.safetensors"))
+    with pytest.raises(NotACheckpointError, match="is a file"):
+        reshard_svc.inspect(str(tmp_path / "one.safetensors"))
+
+
+def test_loading_into_meta_tensors_is_refused(ckpt):
+    with pytest.raises(StateDictError, match="meta tensor"):
+        reshard_svc.load({"a": torch.empty(3, 4, device="meta")}, ckpt, strict=False)
+
+
+def test_a_dtype_cast_on_load_is_logged_once_per_family(tmp_path, caplog):
+    reshard_svc.save({"a": torch.ones(4), "b": torch.ones(4)}, str(tmp_path / "ck"))
+    out = {"a": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(4, dtype=torch.float64)}
+    with caplog.at_level("WARNING"):
+        reshard_svc.load(out, str(tmp_path / "ck"))
+    casts = [r for r in caplog.records if "casting" in r.getMessage()]
+    assert len(casts) == 1 and "2 tensor(s)" in casts[0].getMessage()
+    assert torch.equal(out["a"], torch.ones(4, dtype=torch.float64))
