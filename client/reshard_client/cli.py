@@ -515,7 +515,7 @@ def jobs(
     limit: Annotated[int, typer.Option(min=1, max=500)] = 50,
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List jobs, newest first."""
     with _client(url, token) as client:
@@ -540,7 +540,7 @@ def status(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Show one job: state, progress, error."""
     with _client(url, token) as client:
@@ -582,7 +582,7 @@ def cancel(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Cancel a job (queued: at once; running: SIGTERM, then SIGKILL after a grace)."""
     with _client(url, token) as client:
@@ -594,7 +594,7 @@ def wait_cmd(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Follow a job's progress until it ends; exit 1 unless it succeeded."""
     with _client(url, token) as client:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reshard_server.api.routes import checkpoints, health, jobs
@@ -96,7 +97,9 @@ def create_app(settings: Settings | None = None, launcher: Launcher | None = Non
             manager.stop()
             store.close()
 
-    app = FastAPI(
+    # Swagger UI and ReDoc served from the package (fastapi-offline), not a CDN: /docs
+    # works on air-gapped clusters.
+    app = FastAPIOffline(
         title="reshard-server",
         version="0.1.0",
         description="Runs checkpoint conversions (reshard_svc.convert) as jobs on torchrun workers.",

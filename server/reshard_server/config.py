@@ -12,6 +12,13 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 __all__ = ["Settings"]
 
 
+def state_dir() -> Path:
+    """Where the server keeps its state by default: ``$XDG_STATE_HOME/reshard-server``
+    (``~/.local/state/reshard-server``), never the folder it was started from."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
+    return Path(base) / "reshard-server"
+
+
 class Settings(BaseSettings):
     """Operator configuration. Storage endpoints and credentials are the server's own
     environment (fsspec's ``FSSPEC_S3``/AWS variables), never taken from a request."""
@@ -23,8 +30,13 @@ class Settings(BaseSettings):
         default_factory=list,
         description="comma-separated local paths or URI prefixes that jobs may read and write",
     )
-    db: str = Field(default="reshard-server.db", description="SQLite database file")
-    data_dir: str = Field(default="reshard-server-data", description="job logs and progress files")
+    db: str = Field(
+        default_factory=lambda: str(state_dir() / "jobs.db"), description="SQLite database file"
+    )
+    data_dir: str = Field(
+        default_factory=lambda: str(state_dir() / "data"),
+        description="job logs and progress files",
+    )
     host: str = "127.0.0.1"
     port: int = 8000
     max_running: int = Field(default=1, ge=1)

@@ -27,10 +27,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    log = logging.getLogger("reshard_server")
     if not settings.token:
-        logging.getLogger("reshard_server").warning(
-            "RESHARD_TOKEN is empty: every API call will be refused"
+        log.warning("RESHARD_TOKEN is empty: every API call will be refused")
+    if not settings.roots:
+        log.warning(
+            "RESHARD_ROOTS is empty: every job will be refused; set the comma-separated "
+            "paths or URI prefixes jobs may read and write"
         )
+    log.info("jobs in %s, logs in %s", settings.db, settings.data_dir)
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level
     )
