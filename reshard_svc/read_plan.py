@@ -18,9 +18,10 @@ Pure: every rank computes the same plan from the source index and the wanted tar
 
 from __future__ import annotations
 
+import logging
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reshard_svc.boxes import overlaps
@@ -35,10 +36,13 @@ __all__ = [
     "TargetBox",
     "Wave",
     "band_limit",
+    "warn_if_over_budget",
     "plan_reads",
     "row_step",
     "split_rows",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,21 @@ class ReadPlan:
     def bytes_exchanged(self) -> int:
         reads = {r.id: r for w in self.waves for r in w.reads}
         return sum(p.nbytes for w in self.waves for p in w.parts if reads[p.read].reader != p.dest)
+
+
+def warn_if_over_budget(index: CheckpointIndex, names: Iterable[str], budget: int) -> None:
+    """Say (once per call) when one row of a tensor alone exceeds the budget's band."""
+    widest = max(
+        ((math.prod(index.tensors[n].shape[1:]) * index.tensors[n].itemsize, n) for n in names
+         if index.tensors[n].shape),
+        default=(0, ""),
+    )  # fmt: skip
+    if widest[0] > band_limit(budget):
+        logger.warning(
+            "a memory budget of %d B cannot be met: one row of %r is %d B and a wave moves "
+            "at least one row; waves will exceed it (give at least %d B)",
+            budget, widest[1], widest[0], 4 * widest[0],
+        )  # fmt: skip
 
 
 def band_limit(budget: int) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace as dc_replace
@@ -35,11 +36,23 @@ from reshard_svc.layout import (
 
 __all__ = ["load_rules", "resolve_layouts", "select_tensors"]
 
+logger = logging.getLogger(__name__)
+
 
 def load_rules(rules: str | Mapping[str, Any] | None) -> list[tuple[str, Any]]:
-    """Ordered (glob, placements) pairs from a dict, or a YAML/JSON file path."""
+    """Ordered (glob, placements) pairs from a dict, a YAML/JSON file path, or inline JSON
+    (text starting with ``{`` or ``[``)."""
     if rules is None:
         return []
+    if (
+        isinstance(rules, str)
+        and rules.lstrip().startswith(("{", "["))
+        and not os.path.exists(rules)
+    ):
+        try:
+            rules = json.loads(rules)
+        except json.JSONDecodeError as e:
+            raise LayoutError(f"--rules is not valid JSON: {e}") from None
     if isinstance(rules, str):
         if not os.path.exists(rules):
             raise LayoutError(f"--rules file {rules!r} does not exist")
@@ -115,6 +128,7 @@ def resolve_layouts(
         mesh = Mesh.parse(mesh)
     pairs = load_rules(rules)
     out: dict[str, Layout] = {}
+    replicated: list[str] = []
     for name, meta in sorted(index.tensors.items()):
         layout = None
         for glob, placements in pairs:
@@ -134,6 +148,8 @@ def resolve_layouts(
                 layout = meta.layout or Layout.replicated()
             elif meta.layout is None:
                 layout = Layout(mesh, tuple(Replicate() for _ in mesh.shape))
+                if mesh.size > 1 and meta.shape:
+                    replicated.append(name)
             else:
                 layout = _from_source(meta.layout, mesh)
         try:
@@ -141,6 +157,12 @@ def resolve_layouts(
         except LayoutError as e:
             raise LayoutError(f"tensor {name!r} ({len(meta.shape)}-D): {e}") from None
         out[name] = layout
+    if replicated:
+        logger.warning(
+            "%d tensor(s) have no layout in the source (e.g. %r) and match no rule: they are "
+            "replicated on every rank of the target mesh; pass --rules to shard them",
+            len(replicated), replicated[0],
+        )  # fmt: skip
     return out
 
 

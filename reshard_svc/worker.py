@@ -30,24 +30,38 @@ logger = logging.getLogger("reshard_svc.worker")
 
 
 def _die_with_parent() -> None:
-    """Under the server, exit when torchrun (our parent) dies: no orphans, no late commit."""
+    """Exit when torchrun (our parent) dies: no orphans, no late commit.
+
+    ``PR_SET_PDEATHSIG`` only covers a parent that dies *after* the call, and this process
+    ran for seconds (importing torch) before it; so a parent that is no longer torchrun
+    (we were re-parented) means it already died, and we exit now.
+    """
     import ctypes
     import signal
 
     try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read()
+    except OSError:
+        parent = b""
+    if b"torch.distributed.run" not in parent and b"torchrun" not in parent:
+        logger.error("our torchrun parent is gone (now %d); exiting", os.getppid())
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s"
-    )
+    rank = int(os.environ.get("RANK", "0"))
+    # Every line names its rank; ranks other than 0 only speak up on errors (each rank
+    # plans the same thing, so their info and warnings would repeat rank 0's).
+    level = os.environ.get("LOGLEVEL", "INFO") if rank == 0 else "ERROR"
+    logging.basicConfig(level=level, format=f"%(asctime)s rank {rank} %(name)s %(message)s")
     if os.environ.get("RESHARD_JOB_ID") or os.environ.get("RESHARD_DIE_WITH_PARENT"):
         _die_with_parent()
-    rank = int(os.environ.get("RANK", "0"))
     reporter = EventReporter.from_env(args.progress_file) if rank == 0 else EventReporter()
     try:
         spec = ConvertSpec.from_args(args)

@@ -6,7 +6,9 @@ Local commands (``inspect``, ``verify``) call reshard_svc directly. Exit codes: 
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 from typing import Annotated, Any
 
@@ -113,7 +115,7 @@ def verify(
     bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        DownloadColumn(),
+        DownloadColumn(binary_units=True),  # MiB/GiB, as `reshard status` counts
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         console=err,
@@ -154,7 +156,7 @@ def _bar(disable: bool = False) -> Progress:
     return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        DownloadColumn(),
+        DownloadColumn(binary_units=True),  # MiB/GiB, as `reshard status` counts
         TransferSpeedColumn(),
         "{task.fields[tensors]}",
         TimeRemainingColumn(),
@@ -231,9 +233,22 @@ def convert(
         task = bar.add_task("converting", total=None, tensors="")
         progress_file = os.path.join(tmp, "progress.jsonl")
         if workers == 1:
+            import logging
+
+            from rich.logging import RichHandler
+
             from reshard_svc.worker import main as worker_main
 
-            code = worker_main(spec.to_argv(progress_file=progress_file))
+            # Log lines print above the progress bar, not through it.
+            logging.basicConfig(
+                level=os.environ.get("LOGLEVEL", "INFO"), format="%(name)s: %(message)s",
+                handlers=[RichHandler(console=err, show_path=False, show_level=False)],
+            )  # fmt: skip
+            try:
+                code = worker_main(spec.to_argv(progress_file=progress_file))
+            except KeyboardInterrupt:
+                err.print("[bold red]error:[/] interrupted", highlight=False)
+                raise typer.Exit(130) from None
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={workers}", "-m", "reshard_svc.worker",
@@ -245,11 +260,22 @@ def convert(
                 proc = subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env={**os.environ, "RESHARD_DIE_WITH_PARENT": "1"},
-                    preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
                 )  # fmt: skip
-                while proc.poll() is None:
-                    _show(bar, task, progress_file)
-                    time.sleep(0.2)
+                try:
+                    while proc.poll() is None:
+                        _show(bar, task, progress_file)
+                        time.sleep(0.2)
+                except KeyboardInterrupt:  # the workers got the SIGINT too; let them abort
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                    err.print(
+                        f"[bold red]error:[/] interrupted (worker logs: {log_path})",
+                        highlight=False,
+                    )
+                    raise typer.Exit(130) from None
             code = proc.returncode
         last = _show(bar, task, progress_file)
     if code != 0 or last.get("event") != "done":
@@ -309,15 +335,18 @@ def gc(
         out.print(f"nothing to collect at {uri}", highlight=False)
 
 
-def _die_with_parent() -> None:
-    """torchrun dies with this CLI process (and its workers with it): no orphan commits."""
+def _die_with_parent(parent: int) -> None:
+    """torchrun dies with this CLI process (and its workers with it): no orphan commits.
+    Runs in the child before exec; a parent gone before the call means exit now."""
     import ctypes
     import signal
 
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _show(bar: Progress, task: Any, path: str) -> dict[str, Any]:

@@ -28,7 +28,16 @@ from reshard_svc.gc import TargetRun
 from reshard_svc.index import CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.jobspec import parse_dtype, parse_size
 from reshard_svc.layout import Box, Layout, Mesh
-from reshard_svc.read_plan import Part, ReadPlan, Wave, band_limit, plan_reads, row_step, split_rows
+from reshard_svc.read_plan import (
+    Part,
+    ReadPlan,
+    Wave,
+    band_limit,
+    plan_reads,
+    row_step,
+    split_rows,
+    warn_if_over_budget,
+)
 from reshard_svc.rules import resolve_layouts, select_tensors
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
 from reshard_svc.runtime.comm import Comm
@@ -268,13 +277,14 @@ def convert(
                     where[(name, band)] = (c.file, c.begin + off)
                     bands.append((band, (writer_of[c.file],)))
             wanted[name] = bands
+        warn_if_over_budget(index, wanted, budget)
         plans = {}
         for s in ("exchange", "direct") if strategy == "auto" else (strategy,):
             plans[s] = plan_reads(index, wanted, comm.world, budget, strategy=s)
         chosen = choose_strategy(plans, storage) if len(plans) > 1 else strategy
         plan = plans[chosen]
         logger.info("convert %s -> %s: %s strategy, %d waves", src, dst, chosen, len(plan.waves))
-    except Exception:
+    except BaseException:
         if run is not None:
             run.abort(staging)
         raise
@@ -305,7 +315,7 @@ def convert(
             return [bytes_read, [w.close() for w in writers.values()]]
 
         _, results = comm.run_everywhere("convert: closing output files", close_all)
-    except Exception:
+    except BaseException:
         with contextlib.suppress(Exception):
             background.close()
         for w in writers.values():
@@ -345,7 +355,7 @@ def convert(
                         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
                     ).encode(),
                 )
-        except Exception:
+        except BaseException:
             run.abort(staging)
             raise
         run.commit(staging, result_index.dumps())

@@ -18,7 +18,7 @@ import torch
 
 from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
 from reshard_svc.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
-from reshard_svc.read_plan import Part, plan_reads
+from reshard_svc.read_plan import Part, plan_reads, warn_if_over_budget
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
@@ -161,6 +161,7 @@ def load(
 
     comm.run_everywhere(f"load({uri!r}): matching keys", prepare)
     gather_holders(placed, comm)
+    warn_if_over_budget(index, placed, max_memory)
     plan = plan_reads(
         index, {n: p.boxes for n, p in placed.items()}, comm.world, max_memory, strategy=strategy
     )

@@ -182,7 +182,7 @@ def write_and_commit(
     write = written_here or (lambda: write_files(prep, comm.rank))
     try:
         _, written = comm.run_everywhere("save: writing data files", write)
-    except Exception:
+    except BaseException:
         if prep.run is not None:
             prep.run.abort(staging)
         raise
@@ -209,7 +209,7 @@ def write_and_commit(
             return
         try:
             index.check()
-        except Exception:
+        except BaseException:
             prep.run.abort(staging)
             raise
         prep.run.commit(staging, index.dumps())

@@ -130,3 +130,44 @@ def test_hf_export_of_the_model_only(tmp_path):
         assert torch.equal(loaded[k], v), k
     r = reshard("convert", src, str(tmp_path / "none"), "--format", "hf", "--only", "nope.*")
     assert r.returncode == 2 and "matches no tensor" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = str(tmp_path / "src")
+    reshard_svc.save({f"w{i}": torch.randn(512, 512) for i in range(8)}, src)
+    dst = tmp_path / "dst"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reshard_client.cli", "convert", src, str(dst), "--mesh", "tp=2",
+         "--rules", '{"*": "S(0)"}', "--workers", "2", "--max-memory", "64KiB"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(4)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    _, stderr = proc.communicate(timeout=60)
+    if proc.returncode == 0:  # finished before the signal: nothing to check
+        return
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "interrupted" in stderr
+    assert not (dst / "reshard.index.json").exists()
+
+
+def test_warnings_name_what_to_fix(tmp_path):
+    """An unmeetable budget and a silent replication are said once, by rank 0, with its id."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.randn(16, 64)}, str(hf / "model.safetensors"))
+    r = reshard("convert", str(hf), str(tmp_path / "out"), "--mesh", "tp=2",
+                "--max-memory", "16", "--workers", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = reshard("convert", str(hf), str(tmp_path / "out1"), "--mesh", "tp=2", "--max-memory", "16")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stderr.split())  # rich wraps long lines
+    assert text.count("cannot be met") == 1 and "give at least 1024 B" in text
+    assert text.count("replicated on every rank") == 1 and "--rules" in text

@@ -67,6 +67,7 @@ def assert_holds(dst: str, sd: dict) -> None:
 def kill_at_random_points(root: str, points: int, seed: int) -> None:
     rng = random.Random(seed)
     src, sd = source(root)
+    before_commit = 0
     for i in range(points):
         dst = f"{root}/dst{i}"
         tag = uuid.uuid4().hex
@@ -84,6 +85,7 @@ def kill_at_random_points(root: str, points: int, seed: int) -> None:
         else:
             proc.kill()
         at_kill = committed(dst)
+        before_commit += not at_kill
         proc.wait()
         deadline = time.monotonic() + 5
         while tagged_pids(tag):
@@ -99,6 +101,8 @@ def kill_at_random_points(root: str, points: int, seed: int) -> None:
         assert_holds(dst, sd)
         leftovers = _siblings(root, f"dst{i}")
         assert leftovers == [], f"point {i}: rerun left {leftovers}"
+    # The points must mostly land mid-run, not after the commit.
+    assert before_commit >= points // 2, f"only {before_commit} of {points} kills before commit"
 
 
 def _siblings(root: str, name: str) -> list[str]:
