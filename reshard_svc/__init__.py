@@ -21,7 +21,7 @@ from reshard_svc.errors import (  # noqa: E402
     UnsupportedFormatError,
 )
 from reshard_svc.index import CheckpointIndex
-from reshard_svc.inspection import VerifyReport, inspect, verify
+from reshard_svc.inspection import VerifyReport, inspect, read_blob, verify
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
 from reshard_svc.runtime.async_save import AsyncSaver, async_save
 from reshard_svc.runtime.convert import ConvertResult, convert
@@ -57,6 +57,7 @@ __all__ = [
     "async_save",
     "convert",
     "inspect",
+    "read_blob",
     "load",
     "save",
     "verify",

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from reshard_svc.errors import CorruptCheckpointError, UnsafePickleError
-from reshard_svc.index import CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.layout import Box
 from reshard_svc.storage import FsspecStorage
 
@@ -98,14 +98,27 @@ def index_from_distcp(storage: FsspecStorage) -> CheckpointIndex:
     if not isinstance(sdm, dict) or not isinstance(storage_data, dict):
         raise CorruptCheckpointError(f"{storage.uri}/.metadata is not DCP Metadata")
     where_of: dict[tuple[str, tuple[int, ...]], Any] = {}
+    bytes_at: dict[str, Any] = {}
     for mi, info in storage_data.items():
         if getattr(mi, "offset", None) is not None:
             where_of[(mi.fqn, tuple(mi.offset))] = info
+        else:
+            bytes_at[str(mi.fqn)] = info
     tensors: dict[str, TensorMeta] = {}
+    blobs: dict[str, Blob] = {}
     files: set[str] = set()
     for fqn, tmd in sdm.items():
         if not hasattr(tmd, "chunks"):
-            continue  # BytesStorageMetadata: pickled objects, which we never load
+            # BytesStorageMetadata: a torch.save'd object (train state, dataloader state).
+            # Carried as opaque bytes, never unpickled.
+            info = bytes_at.get(fqn)
+            if info is None:
+                raise CorruptCheckpointError(f"{fqn!r}: bytes item has no storage entry")
+            name = str(info.relative_path)
+            files.add(name)
+            start = int(info.offset)
+            blobs[fqn] = Blob(fqn, name, start, start + int(info.length), "torch_save")
+            continue
         chunks = []
         for c in tmd.chunks:
             info = where_of.get((fqn, tuple(c.offsets)))
@@ -136,7 +149,7 @@ def index_from_distcp(storage: FsspecStorage) -> CheckpointIndex:
             tuple(sorted(chunks, key=lambda c: c.box)),
         )
     index = CheckpointIndex(
-        tensors, {f: FileMeta(storage.size(f)) for f in sorted(files)}, source="dcp"
+        tensors, {f: FileMeta(storage.size(f)) for f in sorted(files)}, source="dcp", blobs=blobs
     )
     index.check()
     return index

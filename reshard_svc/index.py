@@ -49,6 +49,7 @@ from reshard_svc.layout import Box, Layout
 from reshard_svc.safetensors_io import dtype_from_name, dtype_name, itemsize
 
 __all__ = [
+    "Blob",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "INDEX_NAME",
@@ -135,6 +136,30 @@ class FileMeta:
         return cls(size, sums.get("sha256"), blocks)
 
 
+@dataclass(frozen=True)
+class Blob:
+    """An opaque stored object, e.g. a DCP ``BytesStorageMetadata`` item (torchtitan's
+    train_state, a dataloader's state): bytes ``[begin, end)`` of ``file``, carried through
+    ``convert`` verbatim and never deserialized. ``encoding`` says what the bytes are
+    (``torch_save``: a ``torch.save`` stream, i.e. a pickle; ``raw``: anything)."""
+
+    name: str
+    file: str
+    begin: int
+    end: int
+    encoding: str = "torch_save"
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "byte_range": [self.begin, self.end], "encoding": self.encoding}
+
+
+BLOB_ENCODINGS = ("torch_save", "raw")
+
+
 @dataclass
 class CheckpointIndex:
     """A whole checkpoint's metadata. ``source`` says what it was read from."""
@@ -147,6 +172,8 @@ class CheckpointIndex:
     #: ``crc32c``, ``sha256`` or ``none``; block tables use ``block_size``.
     checksum: str = "none"
     block_size: int | None = None
+    #: opaque objects (never deserialized), by name
+    blobs: dict[str, Blob] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -157,7 +184,7 @@ class CheckpointIndex:
         return {n: f.blocks for n, f in self.files.items() if f.blocks is not None}
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "created_by": self.created_by,
@@ -166,6 +193,9 @@ class CheckpointIndex:
             "files": {k: self.files[k].to_json() for k in sorted(self.files)},
             "extras": self.extras,
         }
+        if self.blobs:
+            out["blobs"] = {k: self.blobs[k].to_json() for k in sorted(self.blobs)}
+        return out
 
     def dumps(self) -> bytes:
         return json.dumps(self.to_json(), indent=1).encode()
@@ -207,6 +237,9 @@ class CheckpointIndex:
         extras = data.get("extras", {})
         if not isinstance(extras, dict):
             raise CorruptCheckpointError(f"{where}: extras must be a JSON object")
+        blobs = {}
+        for name, b in (_obj(data, "blobs", where) if "blobs" in data else {}).items():
+            blobs[name] = _blob_from_json(name, b, f"{where}: blobs[{name!r}]")
         return cls(
             tensors,
             files,
@@ -215,6 +248,7 @@ class CheckpointIndex:
             str(data.get("created_by", "")),
             algorithm,
             block_size,
+            blobs,
         )
 
     def check(self) -> None:
@@ -249,6 +283,15 @@ class CheckpointIndex:
             for c in t.chunks:
                 if c.end > c.begin:
                     spans.setdefault(c.file, []).append((c.begin, c.end, t.name))
+        for b in self.blobs.values():
+            meta = self.files.get(b.file)
+            if meta is None or not 0 <= b.begin <= b.end <= meta.size:
+                raise InconsistentIndexError(
+                    f"blob {b.name!r}: byte range [{b.begin}, {b.end}) of {b.file!r} is not "
+                    "inside a listed file"
+                )
+            if b.end > b.begin:
+                spans.setdefault(b.file, []).append((b.begin, b.end, b.name))
         for fname, ss in spans.items():
             ss.sort()
             for (_, e0, n0), (b1, _, n1) in zip(ss, ss[1:]):
@@ -256,6 +299,24 @@ class CheckpointIndex:
                     raise InconsistentIndexError(
                         f"{fname}: byte ranges of {n0!r} and {n1!r} overlap"
                     )
+
+
+def _blob_from_json(name: str, b: Any, where: str) -> Blob:
+    if not isinstance(b, dict):
+        raise CorruptCheckpointError(f"{where} must be an object")
+    file = b.get("file")
+    if not isinstance(file, str):
+        raise CorruptCheckpointError(f"{where}: file must be text")
+    _check_file_name(file, where)
+    rng = _ints(b.get("byte_range"), f"{where}: byte_range")
+    if len(rng) != 2 or not 0 <= rng[0] <= rng[1]:
+        raise CorruptCheckpointError(f"{where}: byte_range must be [begin, end]")
+    encoding = b.get("encoding", "raw")
+    if encoding not in BLOB_ENCODINGS:
+        raise CorruptCheckpointError(
+            f"{where}: encoding {encoding!r} is not one of {BLOB_ENCODINGS}"
+        )
+    return Blob(name, file, rng[0], rng[1], encoding)
 
 
 def _checksum_settings(data: Mapping[str, Any], version: int, where: str) -> tuple[str, int | None]:

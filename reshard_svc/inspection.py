@@ -16,12 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard_svc.errors import CheckpointError, ChecksumError, MissingFileError, StorageError
+from reshard_svc.errors import (
+    CheckpointError,
+    ChecksumError,
+    MissingFileError,
+    StateDictError,
+    StorageError,
+)
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.sources import open_checkpoint, read_header
 from reshard_svc.storage import FsspecStorage, open_storage
 
-__all__ = ["VerifyReport", "describe_index", "inspect", "verify"]
+__all__ = ["VerifyReport", "describe_index", "inspect", "read_blob", "verify"]
 
 #: Bytes one verify task reads at a time (a whole number of blocks).
 SPAN = 64 * 1024 * 1024
@@ -46,7 +52,29 @@ def describe_index(index: CheckpointIndex, uri: str = "") -> dict[str, Any]:
         },
         "files": {k: v.to_json() for k, v in sorted(index.files.items())},
         "extras": index.extras,
+        "blobs": {k: {**b.to_json(), "nbytes": b.nbytes} for k, b in sorted(index.blobs.items())},
     }
+
+
+def read_blob(uri: str, name: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """The stored bytes of opaque item ``name`` (checked against their block CRCs).
+
+    They are returned as bytes and never deserialized here. A ``torch_save`` item is a
+    pickle: only ``torch.load(io.BytesIO(data), weights_only=True)`` it, or load it fully
+    only if you trust where the checkpoint came from.
+    """
+    storage, index = open_checkpoint(uri, dict(storage_options or {}))
+    blob = index.blobs.get(name)
+    if blob is None:
+        raise StateDictError(
+            f"{uri} has no opaque item {name!r} (it has: {', '.join(sorted(index.blobs)) or 'none'})"
+        )
+    table = index.block_tables().get(blob.file)
+    lo, hi = table.widen(blob.begin, blob.end) if table else (blob.begin, blob.end)
+    data = storage.read_view(blob.file, lo, hi)
+    if table:
+        table.check(lo, data)
+    return bytes(data[blob.begin - lo : blob.end - lo])
 
 
 @dataclass

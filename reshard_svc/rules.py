@@ -182,7 +182,9 @@ def select_tensors(
     for glob in globs:
         if not isinstance(glob, str) or not glob:
             raise UsageError(f"--only: glob {glob!r} must be non-empty text")
-        if not any(fnmatch.fnmatchcase(n, glob) for n in [*index.tensors, *index.extras]):
+        if not any(
+            fnmatch.fnmatchcase(n, glob) for n in [*index.tensors, *index.extras, *index.blobs]
+        ):
             raise UsageError(
                 f"--only {glob!r} matches no tensor (names look like {next(iter(index.tensors), '')!r})"
             )
@@ -207,6 +209,7 @@ def select_tensors(
     if not tensors:
         raise UsageError("--only selects no tensor: nothing to write")
     extras = pick(index.extras)
+    blobs = pick(index.blobs)
     return CheckpointIndex(
         tensors={new: dc_replace(index.tensors[old], name=new) for old, new in tensors.items()},
         files=index.files,
@@ -215,4 +218,5 @@ def select_tensors(
         created_by=index.created_by,
         checksum=index.checksum,
         block_size=index.block_size,
+        blobs={new: dc_replace(index.blobs[old], name=new) for old, new in blobs.items()},
     )

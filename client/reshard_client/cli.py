@@ -101,6 +101,12 @@ def inspect(
     out.print(
         f"{len(index.tensors)} tensors, {_size(index.total_bytes)} in {len(index.files)} files"
         + (f"; extras: {', '.join(sorted(index.extras))}" if index.extras else "")
+        + (
+            "; opaque items (kept as bytes, never unpickled): "
+            + ", ".join(f"{k} ({_size(b.nbytes)})" for k, b in sorted(index.blobs.items()))
+            if index.blobs
+            else ""
+        )
     )
 
 

@@ -25,7 +25,7 @@ from reshard_svc import __version__
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
 from reshard_svc.errors import CheckpointError, LayoutError, UsageError
 from reshard_svc.gc import TargetRun
-from reshard_svc.index import CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.jobspec import parse_dtype, parse_size
 from reshard_svc.layout import Box, Layout, Mesh
 from reshard_svc.read_plan import (
@@ -166,6 +166,29 @@ def plan_hf(
     return OutputPlan(
         tuple(_assign_files(files, workers)), chunks, dict.fromkeys(index.tensors), dtypes
     )
+
+
+def copy_blobs(
+    index: CheckpointIndex, src: FsspecStorage, staging: FsspecStorage, name: str, algorithm: str
+) -> tuple[FileMeta, dict[str, Blob]]:
+    """Copy every opaque item of ``index`` verbatim into one file ``name`` of ``staging``
+    (block CRCs checked on the way in where the source has them; never deserialized)."""
+    tables = index.block_tables()
+    out: dict[str, Blob] = {}
+    with staging.open_write(name) as raw:
+        writer = HashingWriter(raw, algorithm, DEFAULT_BLOCK_SIZE)
+        for key in sorted(index.blobs):
+            b = index.blobs[key]
+            table = tables.get(b.file)
+            lo, hi = table.widen(b.begin, b.end) if table else (b.begin, b.end)
+            data = src.read_view(b.file, lo, hi)
+            if table:
+                table.check(lo, data)
+            start = writer.size
+            writer.write(data[b.begin - lo : b.end - lo])
+            out[key] = Blob(key, name, start, writer.size, b.encoding)
+    block_size = DEFAULT_BLOCK_SIZE if algorithm != "none" else None
+    return FileMeta.from_written(name, writer.size, writer.result(), block_size), out
 
 
 def choose_strategy(plans: dict[str, ReadPlan], storage: FsspecStorage) -> str:
@@ -345,6 +368,16 @@ def convert(
         if run is None:
             return
         try:
+            if index.blobs and format == "native":
+                name = f"opaque{staging.file_suffix}.bin"
+                meta, blobs = copy_blobs(index, storage, staging, name, algorithm)
+                result_index.files[name] = meta
+                result_index.blobs = blobs
+            elif index.blobs:
+                logger.warning(
+                    "an HF folder holds tensors only: %d opaque item(s) (e.g. %r) not exported",
+                    len(index.blobs), next(iter(index.blobs)),
+                )  # fmt: skip
             result_index.check()
             if format == "hf":
                 weight_map = {n: spec.name for spec in out.files for n, _ in spec.entries}

@@ -33,6 +33,15 @@ LEASE_PREFIX = ".reshard-lease-"
 INDEX_FILE = "reshard.index.json"  # reshard_svc.index.INDEX_NAME (no torch import here)
 
 
+#: What data files of a checkpoint are called (tensors; opaque items).
+DATA_EXTENSIONS = (".safetensors", ".bin")
+
+
+def _staged(name: str, suffix: str) -> bool:
+    """Whether ``name`` is a data file written under a staging ``suffix``."""
+    return any(name.endswith(f"{suffix}{ext}") for ext in DATA_EXTENSIONS)
+
+
 @contextlib.contextmanager
 def translate_errors(op: str, where: str) -> Iterator[None]:
     """Re-raise backend failures as StorageError (MissingFileError when absent)."""
@@ -194,7 +203,7 @@ class FsspecStorage:
                 raise
         new = set(json.loads(index_bytes).get("files", {}))
         for name in sorted(replaced):
-            if name.endswith(".safetensors") and name not in new:
+            if name.endswith(DATA_EXTENSIONS) and name not in new:
                 try:
                     self.remove(name)
                 except StorageError:  # committed; the lease lets collect() finish this
@@ -218,7 +227,7 @@ class FsspecStorage:
         if not suffix or self._holds_suffix(suffix):
             return
         for name in self.listdir():
-            if name.endswith(f"{suffix}.safetensors"):
+            if _staged(name, suffix):
                 with contextlib.suppress(StorageError):
                     self.remove(name)
 
@@ -228,7 +237,7 @@ class FsspecStorage:
             files = json.loads(self.read(INDEX_FILE)).get("files", {})
         except (StorageError, ValueError, AttributeError):
             return False
-        return any(str(n).endswith(f"{suffix}.safetensors") for n in files)
+        return any(_staged(str(n), suffix) for n in files)
 
     # ---- leases and garbage collection (see reshard_svc.gc)
 
@@ -261,10 +270,10 @@ class FsspecStorage:
     ) -> None:  # fmt: skip
         """Remove a dead run's files: its uncommitted data files and, if its commit
         landed (``current`` names its files), the files it replaced."""
-        suffix = f"-{token[:12]}.safetensors"
+        suffix = f"-{token[:12]}"
         names = set(self.listdir())
-        doomed = {n for n in names if n.endswith(suffix) and n not in current}
-        if replaced and any(n.endswith(suffix) for n in current):
+        doomed = {n for n in names if _staged(n, suffix) and n not in current}
+        if replaced and any(_staged(n, suffix) for n in current):
             doomed |= (replaced & names) - current
         for name in sorted(doomed):
             report.removed.append(self.path(name))
