@@ -7,6 +7,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import torch
 
 import reshard_svc
@@ -69,3 +70,22 @@ def test_readme_cli_commands(tmp_path):
     reshard_svc.load(out, str(tmp_path / "ckpt-tp4"))
     for k in sd:
         assert torch.equal(out[k], sd[k]), k
+
+
+@pytest.mark.s3
+def test_readme_python_section(s3, tmp_path, monkeypatch):
+    """The "Python" section, as written (one process; its S3 bucket is moto's)."""
+    code = section("python", "python").replace("s3://bucket", s3)
+    g = torch.Generator().manual_seed(0)
+    model_sd = {"w": torch.randn(16, 8, generator=g)}
+    optim_sd = {"state": {"w": {"exp_avg": torch.randn(16, 8, generator=g)}}}
+    reshard_svc.save({"w": torch.randn(32, 8, generator=g)}, str(tmp_path / "plain"))
+    reshard_svc.convert(str(tmp_path / "plain"), str(tmp_path / "ckpt-tp8"), mesh="tp=8",
+                        rules={"*": "S(0)"})  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    scope = {"model_sd": model_sd, "optim_sd": optim_sd}
+    expected = {k: v.clone() for k, v in model_sd.items()}
+    exec(compile(code, "README.md:python", "exec"), scope)
+    assert torch.equal(scope["model_sd"]["w"], expected["w"])  # loaded back in place
+    assert reshard_svc.inspect("ckpt-tp4").tensors["w"].layout.mesh.shape == (4,)
+    assert reshard_svc.inspect("ckpt-hf").tensors["w"].dtype == torch.bfloat16
