@@ -9,7 +9,7 @@ groups) cancel out in the marginal cost::
 
     marginal = (convert 1 GiB - convert 1 MiB) / (cp 1 GiB - cp 1 MiB)     (medians)
 
-    python bench/cli_convert.py [--runs 3] [--dirs /dev/shm/reshard-cli,/tmp/reshard-cli]
+    python bench/cli_convert.py [--size full|small] [--runs 3] [--dirs /dev/shm/reshard-cli,/tmp/reshard-cli]
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ import subprocess
 import sys
 import time
 
-SHAPES = {  # layers, hidden, ffn: ~1 GiB and ~1 MiB of bf16
-    "1GiB": (8, 2048, 5632),
-    "1MiB": (1, 256, 768),
+SIZES = {  # --size -> {label: (layers, hidden, ffn)}: the big and the tiny checkpoint (bf16)
+    "full": {"1GiB": (8, 2048, 5632), "1MiB": (1, 256, 768)},
+    "small": {"8MiB": (2, 512, 1408), "1MiB": (1, 256, 768)},  # a smoke run
 }
 
 
-def build(path: str, size: str) -> int:
+def build(path: str, shape: tuple[int, int, int]) -> int:
     """A TP=2 checkpoint at ``path``; returns its tensor bytes."""
     import torch
 
     import reshard_svc
 
-    layers, h, f = SHAPES[size]
+    layers, h, f = shape
     g = torch.Generator().manual_seed(0)
     sd, rules = {}, {}
     for i in range(layers):
@@ -62,15 +62,17 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_dir(base: str, runs: int) -> dict:
+def bench_dir(base: str, runs: int, size: str = "full") -> dict:
+    shapes = SIZES[size]
+    big, tiny = shapes
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
-    sizes = {s: build(f"{base}/src-{s}", s) for s in SHAPES}
+    sizes = {s: build(f"{base}/src-{s}", shape) for s, shape in shapes.items()}
     walls: dict[str, list[float]] = {}
     cli = [sys.executable, "-m", "reshard_client.cli", "convert"]
     try:
         for _ in range(runs):
-            for size in SHAPES:
+            for size in shapes:
                 for op in ("cp", "convert"):
                     dst = f"{base}/out-{op}-{size}"
                     shutil.rmtree(dst, ignore_errors=True)
@@ -87,9 +89,9 @@ def bench_dir(base: str, runs: int) -> dict:
     for k, v in walls.items():
         print(json.dumps({"bench": "cli_convert", "dir": base, "op": k,
                           "wall_s": round(med[k], 3), "wall_s_all": [round(x, 3) for x in v]}))  # fmt: skip
-    conv = med["convert-1GiB"] - med["convert-1MiB"]
-    cp = med["cp-1GiB"] - med["cp-1MiB"]
-    gib = (sizes["1GiB"] - sizes["1MiB"]) / 2**30
+    conv = med[f"convert-{big}"] - med[f"convert-{tiny}"]
+    cp = med[f"cp-{big}"] - med[f"cp-{tiny}"]
+    gib = (sizes[big] - sizes[tiny]) / 2**30
     return {
         "bench": "cli_convert",
         "dir": base,
@@ -102,11 +104,12 @@ def bench_dir(base: str, runs: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="full", help="small: a smoke run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dirs", default="/dev/shm/reshard-cli,/tmp/reshard-cli")
     args = ap.parse_args()
     for base in args.dirs.split(","):
-        print(json.dumps(bench_dir(base, args.runs)))
+        print(json.dumps(bench_dir(base, args.runs, args.size)))
 
 
 if __name__ == "__main__":

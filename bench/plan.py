@@ -4,7 +4,7 @@ Compares reshard_svc's global overlap planner (every target rank's pieces at onc
 torch DCP's ``create_read_items_for_chunk_list`` on the same chunks, in the same run.
 torch plans one target rank at a time; we time a sample of ranks and extrapolate.
 
-    python bench/plan.py [--torch-ranks 4]
+    python bench/plan.py [--torch-ranks 4] [--layers 126]
 
 Prints one JSON object.
 """
@@ -24,10 +24,10 @@ from reshard_svc.layout import Layout
 LAYERS, H, F, V, KV = 126, 16384, 53248, 128256, 1024
 
 
-def llama405b() -> dict[str, tuple[tuple[int, ...], str]]:
+def llama405b(layers: int = LAYERS) -> dict[str, tuple[tuple[int, ...], str]]:
     """fqn -> (shape, kind) with kind col (TP on dim 0), row (TP on dim 1) or norm."""
     tensors: dict[str, tuple[tuple[int, ...], str]] = {"tok_embeddings.weight": ((V, H), "col")}
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"layers.{i}."
         tensors[p + "attention.wq.weight"] = ((H, H), "col")
         tensors[p + "attention.wk.weight"] = ((KV, H), "col")
@@ -56,9 +56,10 @@ def layouts(dp: int, tp: int) -> dict[str, Layout]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--torch-ranks", type=int, default=4, help="target ranks to time torch on")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="fewer for a smoke run")
     args = ap.parse_args()
 
-    model = llama405b()
+    model = llama405b(args.layers)
     src_l, dst_l = layouts(64, 8), layouts(32, 16)
 
     t0 = time.perf_counter()
@@ -110,6 +111,7 @@ def main() -> None:
     out = {
         "bench": "plan",
         "model": "llama-405b-shaped",
+        "layers": args.layers,
         "source": "dp=64,tp=8",
         "target": "dp=32,tp=16",
         "tensors": len(model),

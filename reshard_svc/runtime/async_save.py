@@ -13,7 +13,9 @@ Order of events, on every rank:
    * CUDA tensors, non-contiguous views, or ``RESHARD_ASYNC_FORK=0``: copy into staging
      buffers (pinned host memory for CUDA), reused from one save to the next;
 4. return a :class:`~concurrent.futures.Future`; a background thread collects the files'
-   checksums and rank 0 commits the index last. Errors surface from ``future.result()``.
+   checksums and rank 0 commits the index last. Errors while writing surface from
+   ``future.result()``; a target that cannot be written (or exists without ``overwrite``)
+   raises at the call, before anything is staged.
 
 After ``async_save`` returns, training may change its tensors freely: the checkpoint holds
 the values at call time.

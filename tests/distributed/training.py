@@ -249,12 +249,14 @@ def async_snapshot(path: str) -> dict:
     fresh.load_state_dict(fm)
     got = full_params(fresh)
     same = all(torch.equal(got[k], before[k]) for k in before)
-    # An error inside the background write surfaces from the future.
-    bad = reshard_svc.async_save({"model": model_sd}, "/proc/definitely/not/writable")
+    # A target that cannot be written fails fast, at the call, with a typed error
+    # (its lease is written before anything is staged).
+    from reshard_svc.errors import ReshardError
+
     try:
-        bad.result()
+        reshard_svc.async_save({"model": model_sd}, "/proc/definitely/not/writable").result()
         error = None
-    except Exception as e:
+    except ReshardError as e:
         error = type(e).__name__
     return {"same": same, "error": error}
 

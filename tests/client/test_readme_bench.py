@@ -1,0 +1,66 @@
+"""The README's benchmark commands, each run as written plus its smoke-size flags.
+
+The full sizes take minutes and gigabytes; the small ones go through the same code paths
+(torchrun workers, our operation and its baseline in the same run) and print the same JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def bench_commands() -> list[list[str]]:
+    text = README.read_text()
+    section = text[text.index("## Benchmarks") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    if block is None:
+        raise AssertionError("README lost its benchmark commands")
+    cmds = [shlex.split(line, comments=True) for line in block.group(1).splitlines()]
+    return [c for c in cmds if c]
+
+
+def smoke_flags(script: str, scratch: Path) -> list[str]:
+    if script == "bench/plan.py":
+        return ["--layers", "2", "--torch-ranks", "1"]
+    if script == "bench/cli_convert.py":
+        return ["--size", "small", "--runs", "1", "--dirs", str(scratch)]
+    return ["--size", "small", "--runs", "1", "--dir", str(scratch)]
+
+
+CMDS = bench_commands()
+
+
+def test_readme_lists_the_benches():
+    scripts = {c[1] for c in CMDS}
+    assert {"bench/plan.py", "bench/save_load.py", "bench/convert.py", "bench/cli_convert.py",
+            "bench/async_save.py"} <= scripts, scripts  # fmt: skip
+
+
+@pytest.mark.parametrize("cmd", CMDS, ids=[c[1] for c in CMDS])
+def test_readme_bench_command_prints_json(cmd, tmp_path):
+    if cmd[0] != ".venv/bin/python":
+        raise AssertionError(f"unexpected README bench command {cmd}")
+    script = cmd[1]
+    argv = [sys.executable, *cmd[1:], *smoke_flags(script, tmp_path / "scratch")]
+    r = subprocess.run(argv, cwd=README.parent, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert lines, r.stdout
+    name = Path(script).stem
+    assert all(line["bench"] == name for line in lines), lines
+    summary = lines[-1]
+    # each bench reports against a baseline measured in the same run
+    assert any(k.endswith(("_over_dcp", "_over_cp", "_vs_torch_all_ranks")) or "over_dcp" in k
+               or "dcp_" in k for k in summary), summary  # fmt: skip
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())
