@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     # Every line names its rank; ranks other than 0 only speak up on errors (each rank
     # plans the same thing, so their info and warnings would repeat rank 0's).
     level = os.environ.get("LOGLEVEL", "INFO") if rank == 0 else "ERROR"
-    logging.basicConfig(level=level, format=f"%(asctime)s rank {rank} %(name)s %(message)s")
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
+    )
     if os.environ.get("RESHARD_JOB_ID") or os.environ.get("RESHARD_DIE_WITH_PARENT"):
         _die_with_parent()
     reporter = EventReporter.from_env(args.progress_file) if rank == 0 else EventReporter()

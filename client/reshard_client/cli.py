@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 from typing import Annotated, Any
 
@@ -268,10 +269,13 @@ def convert(
                     env={**os.environ, "RESHARD_DIE_WITH_PARENT": "1"},
                     preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
                 )  # fmt: skip
+                warnings = _WarningTail(log_path)
                 try:
                     while proc.poll() is None:
                         _show(bar, task, progress_file)
+                        warnings.echo()
                         time.sleep(0.2)
+                    warnings.echo()
                 except KeyboardInterrupt:  # the workers got the SIGINT too; let them abort
                     try:
                         proc.wait(30)
@@ -353,6 +357,26 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:
         os._exit(1)
+
+
+class _WarningTail:
+    """Echo rank 0's warnings from the workers' log (the rest of it stays in the file)."""
+
+    LINE = re.compile(r" rank 0 WARNING ([\w.]+): (.*)$")
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offset = path, 0
+
+    def echo(self) -> None:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # whole lines only; the rest next time
+        self.offset += end
+        for line in chunk[:end].decode("utf-8", "replace").splitlines():
+            m = self.LINE.search(line)
+            if m:
+                err.print(f"[yellow]warning:[/] rank 0 {m.group(1)}: {m.group(2)}", highlight=False)
 
 
 def _show(bar: Progress, task: Any, path: str) -> dict[str, Any]:

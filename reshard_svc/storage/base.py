@@ -6,15 +6,23 @@ original exception as ``__cause__``.
 
 Commit protocol (called by the coordinator only, after every rank has written):
 
+* ``check_target(index_name, overwrite)`` — refuse to replace a committed checkpoint
+  without ``overwrite`` (and, locally, to write into a folder that is not a checkpoint);
 * ``staging(token)`` — the :class:`Storage` every rank writes data files into;
-* ``commit(staging, index_bytes)`` — make the checkpoint visible in one step: the index
-  is written last, so a crash before it leaves nothing a reader accepts;
+* ``commit(staging, index_name, index_bytes, replaced)`` — make the checkpoint visible in
+  one step: the index is written last, so a crash before it leaves nothing a reader
+  accepts. Of the replaced checkpoint only its own files (``replaced``) go; any other file
+  in the folder stays;
 * ``abort(staging)`` — drop what a failed save wrote.
+
+Leases (see :mod:`reshard_svc.gc`): every run keeps a small JSON record beside the target
+(``write_lease`` / ``remove_lease`` / ``read_leases``) renewed by a heartbeat, so a later
+run or ``reshard gc`` can tell a dead run's leftovers (``collect_run``) from a live one's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import IO, Any, Protocol, runtime_checkable
 
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, FileChecksummer
@@ -62,15 +70,53 @@ class Storage(Protocol):
 
     def remove(self, name: str) -> None: ...
 
-    def check_target(self, index_name: str) -> None:
-        """Raise if saving here could destroy something that is not a checkpoint."""
+    def check_target(self, index_name: str, overwrite: bool = False) -> None:
+        """Raise TargetExistsError for a committed checkpoint unless ``overwrite``, and
+        refuse a target where saving could destroy something that is not a checkpoint."""
         ...
 
     def staging(self, token: str) -> Storage: ...
 
-    def commit(self, staging: Storage, index_name: str, index_bytes: bytes) -> None: ...
+    def commit(
+        self,
+        staging: Any,
+        index_name: str,
+        index_bytes: bytes,
+        replaced: Collection[str] = (),
+    ) -> None:
+        """Publish ``staging`` with its index; of the old checkpoint, only the files in
+        ``replaced`` (its index and data files) may be removed."""
+        ...
 
-    def abort(self, staging: Storage) -> None: ...
+    def abort(self, staging: Any) -> None: ...
+
+    def pending(self, token: str) -> bool:
+        """Whether run ``token`` left something ``collect_run`` must still finish."""
+        ...
+
+    # ---- leases and garbage collection (reshard_svc.gc)
+
+    def lease_path(self, token: str) -> str: ...
+
+    def write_lease(self, token: str, data: bytes) -> None: ...
+
+    def remove_lease(self, token: str) -> None: ...
+
+    def read_leases(self) -> dict[str, bytes]:
+        """Token -> lease record of every run that holds a lease on this target."""
+        ...
+
+    def orphan_tokens(self) -> list[str]:
+        """Runs whose leftovers are known to be reshard's without a lease (by name)."""
+        ...
+
+    def collect_run(
+        self, token: str, replaced: set[str] | None, current: set[str], report: Any,
+        dry_run: bool,
+    ) -> None:  # fmt: skip
+        """Clean up after dead run ``token``: finish or roll back its commit, drop its
+        uncommitted data; record each step in ``report``."""
+        ...
 
 
 class HashingWriter:

@@ -166,8 +166,50 @@ def test_warnings_name_what_to_fix(tmp_path):
     r = reshard("convert", str(hf), str(tmp_path / "out"), "--mesh", "tp=2",
                 "--max-memory", "16", "--workers", "2")  # fmt: skip
     assert r.returncode == 0, r.stderr
+    text = " ".join(r.stderr.split())
+    assert text.count("cannot be met") == 1 and "rank 0" in text, r.stderr  # not once per rank
     r = reshard("convert", str(hf), str(tmp_path / "out1"), "--mesh", "tp=2", "--max-memory", "16")
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stderr.split())  # rich wraps long lines
     assert text.count("cannot be met") == 1 and "give at least 1024 B" in text
     assert text.count("replicated on every rank") == 1 and "--rules" in text
+
+
+def test_a_worker_failure_is_one_error_line(tmp_path):
+    """A corrupt block found by one of 2 workers: one ``error:`` naming it, no torchrun dump."""
+    src = make(tmp_path)
+    data = next(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    with open(os.path.join(src, data), "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    dst = str(tmp_path / "out")
+    r = reshard("convert", src, dst, "--mesh", "tp=2", "--workers", "2")
+    assert r.returncode != 0
+    text = " ".join(r.stderr.split())
+    assert text.count("error:") == 1 and "ChecksumError" in text and "CRC32C" in text, r.stderr
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
+    assert "worker logs:" in text
+    assert not os.path.exists(dst) and not [p for p in os.listdir(tmp_path) if "staging" in p]
+
+
+def test_negative_budget_is_named(tmp_path):
+    r = reshard("convert", make(tmp_path), str(tmp_path / "out"), "--max-memory", "-5GiB")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    text = " ".join(r.stderr.split())
+    assert "max_memory '-5GiB' is not a size" in text and "expected one argument" not in text
+
+
+def test_verify_says_when_nothing_was_hashed(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.randn(4, 4)}, str(hf / "model.safetensors"))
+    r = reshard("verify", str(hf))
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "no checksums recorded" in text and "0 B hashed" not in text
+    report = json.loads(reshard("verify", str(hf), "--json").stdout)
+    assert report["ok"]

@@ -139,3 +139,33 @@ def test_readme_batch_script_runs_the_worker_without_a_server(slurm, tmp_path):
     assert r.returncode == 0, (r.stderr, log and log.read_text()[-3000:])
     assert_holds(str(dst), sd)
     assert reshard_svc.inspect(str(dst)).to_json()["tensors"]["w"]["layout"]["mesh"]["shape"] == [4]
+
+
+def test_readme_multi_node_submit(make_server, slurm, tmp_path):
+    """The README's ``reshard submit --nodes 2 ... --wait`` line on the real Slurm: the
+    bucket becomes a local root and 8 workers per node become 1 (two cores here)."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.server.conftest import TOKEN
+
+    sd = tensors(3, rows=64)
+    data = tmp_path / "data"
+    make_tp4(str(data / "llama-tp8"), str(tmp_path / "scratch"), sd)
+    line = readme_block("slurm-submit").replace("\\\n", " ")
+    line = line.replace("s3://checkpoints", str(data)).replace("--workers-per-node 8",
+                                                               "--workers-per-node 1")  # fmt: skip
+    argv = shlex.split(line)
+    assert argv[0] == "reshard" and "--nodes" in argv, argv
+    server = slurm_server(make_server, slurm, tmp_path)
+    env = {**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN}
+    r = subprocess.run(
+        [sys.executable, "-m", "reshard_client.cli", *argv[1:]],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert_holds(str(data / "llama-tp4"), sd)
+    tp = reshard_svc.inspect(str(data / "llama-tp4")).tensors
+    assert {t.layout.mesh.shape for t in tp.values()} == {(4,)}
