@@ -31,7 +31,9 @@ def test_bare_start_warns_and_keeps_its_state_out_of_the_cwd(tmp_path):
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"server did not come up: {proc.stdout and proc.stdout.read()}")
+                raise AssertionError(
+                    f"server did not come up: {proc.stdout and proc.stdout.read()}"
+                )
             time.sleep(0.2)
         # with no token, every API call is refused
         assert httpx.get(f"http://127.0.0.1:{port}/v1/jobs").status_code == 401
