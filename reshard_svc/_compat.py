@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from reshard_svc.errors import LayoutError
 from reshard_svc.layout import Layout, Mesh, Placement, Replicate, Shard, StridedShard
 
@@ -103,12 +101,6 @@ def mesh_rank_of(device_mesh: Any) -> int | None:
     if coord is None:
         return None
     return mesh_of(device_mesh).rank_of(coord)
-
-
-def mesh_global_ranks(device_mesh: Any) -> list[int]:
-    """Global process-group ranks of the mesh, in flat (row-major) mesh order."""
-    mesh_tensor: torch.Tensor = device_mesh.mesh
-    return [int(r) for r in mesh_tensor.flatten().tolist()]
 
 
 def torch_local_shape_and_offset(

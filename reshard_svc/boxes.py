@@ -16,12 +16,7 @@ from dataclasses import dataclass
 from reshard_svc.errors import InconsistentIndexError
 from reshard_svc.layout import Box
 
-__all__ = ["Overlap", "check_tiling", "intersect", "overlaps"]
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common part of ``a`` and ``b``, or None when they do not overlap."""
-    return a.intersect(b)
+__all__ = ["Overlap", "check_tiling", "overlaps"]
 
 
 @dataclass(frozen=True)

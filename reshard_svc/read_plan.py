@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from reshard_svc.boxes import overlaps
-from reshard_svc.errors import StateDictError
+from reshard_svc.errors import UsageError
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.layout import Box
 
@@ -117,6 +117,8 @@ class ReadPlan:
 
 def warn_if_over_budget(index: CheckpointIndex, names: Iterable[str], budget: int) -> None:
     """Say (once per call) when one row of a tensor alone exceeds the budget's band."""
+    if budget < 1:
+        return  # plan_reads refuses it
     widest = max(
         ((math.prod(index.tensors[n].shape[1:]) * index.tensors[n].itemsize, n) for n in names
          if index.tensors[n].shape),
@@ -167,9 +169,9 @@ def plan_reads(
     wave ends.
     """
     if budget < 1:
-        raise StateDictError(f"memory budget must be positive, got {budget} bytes")
+        raise UsageError(f"memory budget must be positive, got {budget} bytes")
     if strategy not in ("exchange", "direct"):
-        raise StateDictError(f"strategy must be 'exchange' or 'direct', got {strategy!r}")
+        raise UsageError(f"strategy must be 'exchange' or 'direct', got {strategy!r}")
     targets: list[TargetBox] = []
     groups: list[list[tuple[Read, list[Part]]]] = []
     group_tensor: list[str] = []

@@ -2,6 +2,10 @@
 
 Both take an injectable ``transport`` (``httpx.MockTransport``, ``httpx.ASGITransport``)
 for tests, and default to ``RESHARD_URL`` / ``RESHARD_TOKEN`` from the environment.
+
+One core drives both: :class:`_Api` turns each method's arguments into a :class:`_Call`
+(method, path, options, how to read the answer) and :class:`_Waiter` decides when ``wait``
+is done; the two classes only send calls, one blocking and one awaiting.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -63,6 +68,75 @@ class _SSE:
         return None
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One request of the API and how to read its answer."""
+
+    method: str
+    path: str
+    parse: Callable[[Any], Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class _Api:
+    """Every call of the REST API, built from the public methods' arguments."""
+
+    @staticmethod
+    def submit(spec: JobCreate | dict[str, Any], idempotency_key: str | None) -> _Call:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return _Call("POST", "/v1/jobs", JobPublic.model_validate,
+                     {"json": _spec(spec), "headers": headers})  # fmt: skip
+
+    @staticmethod
+    def get(job_id: str) -> _Call:
+        return _Call("GET", f"/v1/jobs/{job_id}", JobPublic.model_validate)
+
+    @staticmethod
+    def list(state: str | None, limit: int, offset: int) -> _Call:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if state:
+            params["state"] = state
+        return _Call("GET", "/v1/jobs", JobList.model_validate, {"params": params})
+
+    @staticmethod
+    def cancel(job_id: str) -> _Call:
+        return _Call("POST", f"/v1/jobs/{job_id}/cancel", JobPublic.model_validate)
+
+    @staticmethod
+    def logs(job_id: str, offset: int, tail: int | None) -> _Call:
+        params: dict[str, Any] = {"offset": offset}
+        if tail:
+            params["tail"] = tail
+        return _Call("GET", f"/v1/jobs/{job_id}/logs", JobLogs.model_validate, {"params": params})
+
+    @staticmethod
+    def checkpoint(uri: str) -> _Call:
+        return _Call("GET", "/v1/checkpoints", dict, {"params": {"uri": uri}})
+
+    @staticmethod
+    def events_path(job_id: str) -> str:
+        return f"/v1/jobs/{job_id}/events"
+
+
+class _Waiter:
+    """``wait``'s logic: report each poll, stop at a terminal state, time out."""
+
+    def __init__(
+        self, job_id: str, timeout: float | None, on_progress: Callable[[JobPublic], None] | None
+    ) -> None:
+        self.job_id, self.timeout, self.on_progress = job_id, timeout, on_progress
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def done(self, job: JobPublic) -> bool:
+        if self.on_progress is not None:
+            self.on_progress(job)
+        if job.state.value in TERMINAL:
+            return True
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TimeoutError(f"job {self.job_id} still {job.state.value} after {self.timeout} s")
+        return False
+
+
 class ReshardClient:
     """Synchronous client. ``with ReshardClient() as c: c.submit({...})``."""
 
@@ -88,44 +162,37 @@ class ReshardClient:
     def close(self) -> None:
         self._http.close()
 
-    def _req(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def _send(self, call: _Call) -> Any:
         try:
-            return _check(self._http.request(method, path, **kw))
+            resp = _check(self._http.request(call.method, call.path, **call.options))
         except httpx.TransportError as e:
             raise TransportError(f"cannot reach {self._http.base_url}: {e}") from e
+        return call.parse(resp.json())
 
     def submit(
         self, spec: JobCreate | dict[str, Any], *, idempotency_key: str | None = None
     ) -> JobPublic:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return JobPublic.model_validate(
-            self._req("POST", "/v1/jobs", json=_spec(spec), headers=headers).json()
-        )
+        return self._send(_Api.submit(spec, idempotency_key))  # type: ignore[no-any-return]
 
     def get(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate(self._req("GET", f"/v1/jobs/{job_id}").json())
+        return self._send(_Api.get(job_id))  # type: ignore[no-any-return]
 
     def list(self, *, state: str | None = None, limit: int = 50, offset: int = 0) -> JobList:
-        params: dict[str, Any] = {"limit": limit, "offset": offset}
-        if state:
-            params["state"] = state
-        return JobList.model_validate(self._req("GET", "/v1/jobs", params=params).json())
+        return self._send(_Api.list(state, limit, offset))  # type: ignore[no-any-return]
 
     def cancel(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate(self._req("POST", f"/v1/jobs/{job_id}/cancel").json())
+        return self._send(_Api.cancel(job_id))  # type: ignore[no-any-return]
 
     def logs(self, job_id: str, *, offset: int = 0, tail: int | None = None) -> JobLogs:
-        params: dict[str, Any] = {"offset": offset}
-        if tail:
-            params["tail"] = tail
-        return JobLogs.model_validate(
-            self._req("GET", f"/v1/jobs/{job_id}/logs", params=params).json()
-        )
+        return self._send(_Api.logs(job_id, offset, tail))  # type: ignore[no-any-return]
+
+    def checkpoint(self, uri: str) -> dict[str, Any]:
+        return self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
 
     def events(self, job_id: str) -> Iterator[tuple[str, JobPublic]]:
         """Server-sent events until the job ends: ("progress" | "state", job)."""
         try:
-            with self._http.stream("GET", f"/v1/jobs/{job_id}/events", timeout=None) as resp:
+            with self._http.stream("GET", _Api.events_path(job_id), timeout=None) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     _check(resp)
@@ -137,9 +204,6 @@ class ReshardClient:
         except httpx.TransportError as e:
             raise TransportError(f"event stream broke: {e}") from e
 
-    def checkpoint(self, uri: str) -> dict[str, Any]:
-        return self._req("GET", "/v1/checkpoints", params={"uri": uri}).json()  # type: ignore[no-any-return]
-
     def wait(
         self,
         job_id: str,
@@ -149,16 +213,10 @@ class ReshardClient:
         poll: float = 0.5,
     ) -> JobPublic:
         """Block until the job is succeeded, failed or cancelled; returns the final job."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            job = self.get(job_id)
-            if on_progress is not None:
-                on_progress(job)
-            if job.state.value in TERMINAL:
-                return job
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} still {job.state.value} after {timeout} s")
+        waiter = _Waiter(job_id, timeout, on_progress)
+        while not waiter.done(job := self.get(job_id)):
             time.sleep(poll)
+        return job
 
 
 class AsyncReshardClient:
@@ -186,43 +244,37 @@ class AsyncReshardClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _req(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _send(self, call: _Call) -> Any:
         try:
-            return _check(await self._http.request(method, path, **kw))
+            resp = _check(await self._http.request(call.method, call.path, **call.options))
         except httpx.TransportError as e:
             raise TransportError(f"cannot reach {self._http.base_url}: {e}") from e
+        return call.parse(resp.json())
 
     async def submit(
         self, spec: JobCreate | dict[str, Any], *, idempotency_key: str | None = None
     ) -> JobPublic:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        resp = await self._req("POST", "/v1/jobs", json=_spec(spec), headers=headers)
-        return JobPublic.model_validate(resp.json())
+        return await self._send(_Api.submit(spec, idempotency_key))  # type: ignore[no-any-return]
 
     async def get(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate((await self._req("GET", f"/v1/jobs/{job_id}")).json())
+        return await self._send(_Api.get(job_id))  # type: ignore[no-any-return]
 
     async def list(self, *, state: str | None = None, limit: int = 50, offset: int = 0) -> JobList:
-        params: dict[str, Any] = {"limit": limit, "offset": offset}
-        if state:
-            params["state"] = state
-        return JobList.model_validate((await self._req("GET", "/v1/jobs", params=params)).json())
+        return await self._send(_Api.list(state, limit, offset))  # type: ignore[no-any-return]
 
     async def cancel(self, job_id: str) -> JobPublic:
-        return JobPublic.model_validate(
-            (await self._req("POST", f"/v1/jobs/{job_id}/cancel")).json()
-        )
+        return await self._send(_Api.cancel(job_id))  # type: ignore[no-any-return]
 
     async def logs(self, job_id: str, *, offset: int = 0, tail: int | None = None) -> JobLogs:
-        params: dict[str, Any] = {"offset": offset}
-        if tail:
-            params["tail"] = tail
-        resp = await self._req("GET", f"/v1/jobs/{job_id}/logs", params=params)
-        return JobLogs.model_validate(resp.json())
+        return await self._send(_Api.logs(job_id, offset, tail))  # type: ignore[no-any-return]
+
+    async def checkpoint(self, uri: str) -> dict[str, Any]:
+        return await self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
 
     async def events(self, job_id: str) -> AsyncIterator[tuple[str, JobPublic]]:
+        """Server-sent events until the job ends: ("progress" | "state", job)."""
         try:
-            async with self._http.stream("GET", f"/v1/jobs/{job_id}/events", timeout=None) as resp:
+            async with self._http.stream("GET", _Api.events_path(job_id), timeout=None) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     _check(resp)
@@ -235,15 +287,17 @@ class AsyncReshardClient:
             raise TransportError(f"event stream broke: {e}") from e
 
     async def wait(
-        self, job_id: str, *, timeout: float | None = None, poll: float = 0.5
+        self,
+        job_id: str,
+        *,
+        timeout: float | None = None,
+        on_progress: Callable[[JobPublic], None] | None = None,
+        poll: float = 0.5,
     ) -> JobPublic:
+        """Wait until the job is succeeded, failed or cancelled; returns the final job."""
         import asyncio
 
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            job = await self.get(job_id)
-            if job.state.value in TERMINAL:
-                return job
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} still {job.state.value} after {timeout} s")
+        waiter = _Waiter(job_id, timeout, on_progress)
+        while not waiter.done(job := await self.get(job_id)):
             await asyncio.sleep(poll)
+        return job

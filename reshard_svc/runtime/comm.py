@@ -42,15 +42,6 @@ class Comm:
         else:
             self.rank, self.world, self.device, self.distributed = 0, 1, torch.device("cpu"), False
 
-    def group_rank(self, global_rank: int) -> int:
-        """A WORLD rank (as DeviceMesh stores them) in this group's numbering."""
-        if not self.distributed or self.group is None or self.group == dist.group.WORLD:
-            return global_rank
-        r = dist.get_group_rank(self.group, global_rank)
-        if r < 0:
-            raise DistributedError(f"rank {global_rank} is not in the process group")
-        return r
-
     # ---- metadata
 
     def all_gather_json(self, obj: Any) -> list[Any]:
@@ -70,12 +61,6 @@ class Comm:
             json.loads(bytes(o[: int(s.item())].cpu().numpy().tobytes()))
             for o, s in zip(outs, sizes)
         ]
-
-    def broadcast_json(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank."""
-        if not self.distributed or self.world == 1:
-            return obj
-        return self.all_gather_json(obj if self.rank == src else None)[src]
 
     def run_everywhere(self, what: str, fn: Callable[[], T]) -> tuple[T, list[Any]]:
         """Run ``fn`` on every rank; if any rank fails, every rank raises.
@@ -118,10 +103,6 @@ class Comm:
             recv, send, list(map(int, recv_splits)), list(map(int, send_splits)), group=self.group
         )
         return recv
-
-    def barrier(self) -> None:
-        if self.distributed and self.world > 1:
-            dist.barrier(group=self.group)
 
 
 def _jsonable(x: Any) -> bool:

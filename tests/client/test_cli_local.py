@@ -132,6 +132,32 @@ def test_hf_export_of_the_model_only(tmp_path):
     assert r.returncode == 2 and "matches no tensor" in r.stderr and "Traceback" not in r.stderr
 
 
+def _workers_of(launcher: int) -> list[int]:
+    """pids of ``reshard_svc.worker`` processes descended from the launcher (torchrun puts
+    its workers in sessions of their own, so the family tree is what links them)."""
+    parent, cmds = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent[int(entry)] = int(f.read().rsplit(b")", 1)[-1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmds[int(entry)] = f.read()
+        except OSError:
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == launcher:
+                return True
+        return False
+
+    return [p for p, cmd in cmds.items() if b"reshard_svc.worker" in cmd
+            and b"torch.distributed.run" not in cmd and descends(p)]  # fmt: skip
+
+
 def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
     import signal
     import subprocess
@@ -139,15 +165,24 @@ def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
     import time
 
     src = str(tmp_path / "src")
-    reshard_svc.save({f"w{i}": torch.randn(512, 512) for i in range(8)}, src)
+    reshard_svc.save({f"w{i}": torch.randn(512, 512) for i in range(32)}, src)  # ~5 s of work
     dst = tmp_path / "dst"
     proc = subprocess.Popen(
         [sys.executable, "-m", "reshard_client.cli", "convert", src, str(dst), "--mesh", "tp=2",
          "--rules", '{"*": "S(0)"}', "--workers", "2", "--max-memory", "64KiB"],
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    time.sleep(4)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    # Interrupt once the workers run (a Ctrl-C while the interpreter is still importing
+    # is Python's own business), however slow this machine is at the moment.
+    deadline = time.monotonic() + 60
+    while not _workers_of(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:  # finished before the signal: nothing to check
+        proc.wait()
+        return  # what a terminal's Ctrl-C does: the whole group
     _, stderr = proc.communicate(timeout=60)
     if proc.returncode == 0:  # finished before the signal: nothing to check
         return

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard_svc.boxes import check_tiling, intersect, overlaps
+from reshard_svc.boxes import check_tiling, overlaps
 from reshard_svc.errors import InconsistentIndexError
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
 
@@ -31,7 +31,7 @@ def brute(src, dst):
         for i, s in enumerate(src):
             if s.is_empty or t.is_empty:
                 continue
-            box = intersect(s, t)
+            box = s.intersect(t)
             if box is not None:
                 out.append((j, i, box))
     return sorted(out, key=lambda x: (x[0], x[1]))
