@@ -1,0 +1,149 @@
+"""Properties of the pure read/exchange planner (``read_plan.plan_reads``), on random
+source and target layouts (strided shards and uneven splits included) and budgets.
+
+* every byte of every target box reaches each of its holders exactly once;
+* every part comes from bytes its read fetched, at the right file offsets;
+* under ``exchange`` each stored byte is read at most once; under ``direct`` nothing moves
+  between ranks;
+* each wave stays within the per-rank budget, unless it is a single row band that alone
+  exceeds it (a row wider than a quarter of the budget).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reshard_svc.boxes import check_tiling
+from reshard_svc.index import CheckpointIndex, Chunk, TensorMeta
+from reshard_svc.layout import Box, Layout
+from reshard_svc.read_plan import ReadPlan, band_limit, plan_reads, row_step
+from tests.unit.test_layout import cases
+
+EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ISZ = 4  # float32
+
+
+def stored(name: str, shape: tuple[int, ...], layout: Layout) -> TensorMeta:
+    """The tensor as ``save`` stores it: one file per write item, bytes row-major."""
+    chunks = []
+    for k, item in enumerate(layout.write_items(shape, ISZ)):
+        n = item.box.numel * ISZ
+        chunks.append(Chunk(item.box, f"{name}-{k}.safetensors", 64, 64 + n))
+    return TensorMeta(name, torch.float32, shape, layout, tuple(chunks))
+
+
+@st.composite
+def problems(draw):
+    family = draw(st.sampled_from(["shard", "strided", "replicate"]))
+    shape, src = draw(cases(family))
+    dst = draw(cases_for(shape))
+    total = max(1, math.prod(shape) * ISZ)
+    budget = draw(st.integers(1, 4 * total + 64))
+    strategy = draw(st.sampled_from(["exchange", "direct"]))
+    return shape, src, dst, budget, strategy
+
+
+@st.composite
+def cases_for(draw, shape: tuple[int, ...]):
+    """A random layout (shard, strided or replicate) for ``shape``."""
+    from reshard_svc.layout import Mesh, Replicate, Shard, StridedShard
+
+    mesh = tuple(draw(st.integers(1, 4)) for _ in range(draw(st.integers(1, 2))))
+    placements = []
+    for _ in mesh:
+        kind = draw(st.sampled_from(["R", "S", "SS"])) if shape else "R"
+        if kind == "R":
+            placements.append(Replicate())
+        elif kind == "S":
+            placements.append(Shard(draw(st.integers(0, len(shape) - 1))))
+        else:
+            placements.append(
+                StridedShard(draw(st.integers(0, len(shape) - 1)), draw(st.integers(1, 3)))
+            )
+    return Layout(Mesh(mesh), tuple(placements))
+
+
+def plan_for(shape, src, dst, budget, strategy) -> tuple[CheckpointIndex, ReadPlan, dict]:
+    meta = stored("t", shape, src)
+    index = CheckpointIndex(tensors={"t": meta}, files={})
+    wanted = {"t": [(it.box, it.holders) for it in dst.write_items(shape, ISZ)]}
+    plan = plan_reads(index, wanted, dst.mesh.size, budget, strategy=strategy)
+    return index, plan, wanted
+
+
+@EXAMPLES
+@given(problems())
+def test_every_target_byte_reaches_each_holder_once(problem):
+    shape, src, dst, budget, strategy = problem
+    _, plan, wanted = plan_for(shape, src, dst, budget, strategy)
+    want = {(b, h) for b, hs in wanted["t"] if not b.is_empty for h in hs}
+    got: dict[tuple[Box, int], list[Box]] = {}
+    for w in plan.waves:
+        for p in w.parts:
+            t = plan.targets[p.target]
+            assert t.box.contains(p.box) and p.dest in t.holders
+            got.setdefault((t.box, p.dest), []).append(p.box)
+    assert set(got) == want
+    for (box, _), pieces in got.items():
+        local = [Box(tuple(o - b for o, b in zip(p.offsets, box.offsets)), p.sizes)
+                 for p in pieces]  # fmt: skip
+        check_tiling(box.sizes, local, "target box")
+
+
+@EXAMPLES
+@given(problems())
+def test_parts_come_from_their_reads_at_the_right_offsets(problem):
+    shape, src, dst, budget, strategy = problem
+    index, plan, _ = plan_for(shape, src, dst, budget, strategy)
+    chunks = {c.file: c for c in index.tensors["t"].chunks}
+    reads = {r.id: r for w in plan.waves for r in w.reads}
+    for w in plan.waves:
+        wave_reads = {r.id for r in w.reads}
+        for p in w.parts:
+            assert p.read in wave_reads, "a part's read is in another wave"
+            assert reads[p.read].box.contains(p.box)
+            assert p.nbytes == p.box.numel * ISZ
+    for r in reads.values():
+        c = chunks[r.file]
+        assert c.box.contains(r.box)
+        # a read is whole rows of its chunk: one contiguous byte range
+        assert r.box.offsets[1:] == c.box.offsets[1:] and r.box.sizes[1:] == c.box.sizes[1:]
+        row = math.prod(c.box.sizes[1:]) * ISZ if c.box.ndim else 0
+        skip = (r.box.offsets[0] - c.box.offsets[0]) * row if c.box.ndim else 0
+        assert r.begin == c.begin + skip and r.nbytes == r.box.numel * ISZ
+
+
+@EXAMPLES
+@given(problems())
+def test_exchange_reads_each_byte_once_and_direct_moves_nothing(problem):
+    shape, src, dst, budget, strategy = problem
+    _, plan, _ = plan_for(shape, src, dst, budget, strategy)
+    if strategy == "direct":
+        assert plan.bytes_exchanged() == 0
+        return
+    spans = sorted((r.file, r.begin, r.end) for w in plan.waves for r in w.reads)
+    for (f1, _, e1), (f2, b2, _) in zip(spans, spans[1:]):
+        assert f1 != f2 or e1 <= b2, "a stored byte is read twice"
+
+
+@EXAMPLES
+@given(problems())
+def test_waves_stay_within_the_budget(problem):
+    shape, src, dst, budget, strategy = problem
+    _, plan, _ = plan_for(shape, src, dst, budget, strategy)
+    step = row_step(shape, ISZ, band_limit(budget))
+    reads = {r.id: r for w in plan.waves for r in w.reads}
+    for w in plan.waves:
+        use = [0] * plan.world
+        for r in w.reads:
+            use[r.reader] += r.nbytes
+        for p in w.parts:
+            use[p.dest] += p.nbytes
+            if p.dest != reads[p.read].reader:
+                use[reads[p.read].reader] += p.nbytes
+        bands = {r.box.offsets[0] // step if r.box.ndim else 0 for r in w.reads}
+        assert max(use) <= budget or len(bands) == 1, (max(use), budget, bands)
