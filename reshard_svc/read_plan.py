@@ -22,7 +22,7 @@ import logging
 import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from reshard_svc.boxes import overlaps
 from reshard_svc.errors import UsageError
@@ -81,18 +81,22 @@ class Part:
     nbytes: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class Wave:
-    reads: list[Read] = field(default_factory=list)
-    parts: list[Part] = field(default_factory=list)
+    """One ``all_to_all``: its reads, and the parts ordered by (reader, dest, read, box)."""
+
+    reads: tuple[Read, ...]
+    parts: tuple[Part, ...]
     #: tensors whose last row band is in this wave (for progress)
     tensors_done: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReadPlan:
-    targets: list[TargetBox]
-    waves: list[Wave]
+    """The whole plan; every rank computes the same one. Frozen once built."""
+
+    targets: tuple[TargetBox, ...]
+    waves: tuple[Wave, ...]
     world: int
     strategy: str
 
@@ -239,7 +243,7 @@ def plan_reads(
                     group.append((read, out))
             groups.append(group)
             group_tensor.append(name)
-    return ReadPlan(targets, _waves(groups, group_tensor, world, budget), world, strategy)
+    return ReadPlan(tuple(targets), _waves(groups, group_tensor, world, budget), world, strategy)
 
 
 def _read_boxes(
@@ -280,32 +284,37 @@ def _byte_offset(chunk: Box, band: Box, isz: int) -> int:
 
 def _waves(
     groups: list[list[tuple[Read, list[Part]]]], group_tensor: list[str], world: int, budget: int
-) -> list[Wave]:
+) -> tuple[Wave, ...]:
     """Pack whole row-band groups into waves under the per-rank byte budget."""
     last_group = {t: i for i, t in enumerate(group_tensor)}
-    waves: list[Wave] = []
-    cur = Wave()
+    packed: list[tuple[list[Read], list[Part], int]] = []
+    reads: list[Read] = []
+    parts: list[Part] = []
+    done = 0
     use = [0] * world
     for gi, group in enumerate(groups):
         add = [0] * world
-        for read, parts in group:
+        for read, rparts in group:
             add[read.reader] += read.nbytes
-            for p in parts:
+            for p in rparts:
                 add[p.dest] += p.nbytes  # receive buffer or target buffer
                 if p.dest != read.reader:
                     add[read.reader] += p.nbytes  # packed send buffer
-        if cur.reads and any(u + a > budget for u, a in zip(use, add)):
-            waves.append(cur)
-            cur, use = Wave(), [0] * world
-        for read, parts in group:
-            cur.reads.append(read)
-            cur.parts.extend(parts)
+        if reads and any(u + a > budget for u, a in zip(use, add)):
+            packed.append((reads, parts, done))
+            reads, parts, done, use = [], [], 0, [0] * world
+        for read, rparts in group:
+            reads.append(read)
+            parts.extend(rparts)
         if last_group[group_tensor[gi]] == gi:
-            cur.tensors_done += 1
+            done += 1
         use = [u + a for u, a in zip(use, add)]
-    if cur.reads:
-        waves.append(cur)
-    readers = {r.id: r.reader for w in waves for r in w.reads}
-    for w in waves:
-        w.parts.sort(key=lambda p: (readers[p.read], p.dest, p.read, p.box))
-    return waves
+    if reads:
+        packed.append((reads, parts, done))
+    readers = {r.id: r.reader for rs, _, _ in packed for r in rs}
+    return tuple(
+        Wave(
+            tuple(rs), tuple(sorted(ps, key=lambda p: (readers[p.read], p.dest, p.read, p.box))), d
+        )
+        for rs, ps, d in packed
+    )
