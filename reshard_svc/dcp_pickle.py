@@ -22,7 +22,7 @@ import torch
 from reshard_svc.errors import CorruptCheckpointError, UnsafePickleError
 from reshard_svc.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.layout import Box
-from reshard_svc.storage import FsspecStorage
+from reshard_svc.storage import Storage
 
 __all__ = ["AllowListUnpickler", "decode_torch_save", "index_from_distcp", "safe_unpickle"]
 
@@ -85,7 +85,7 @@ def decode_torch_save(raw: bytes | memoryview, where: str) -> torch.Tensor:
     return obj
 
 
-def index_from_distcp(storage: FsspecStorage) -> CheckpointIndex:
+def index_from_distcp(storage: Storage) -> CheckpointIndex:
     """Describe a DCP ``.distcp`` folder from its ``.metadata`` (allow-listed unpickling)."""
     if os.environ.get(ENV_ALLOW, "1") in ("0", "false", "no"):
         raise UnsafePickleError(

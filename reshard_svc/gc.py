@@ -33,7 +33,7 @@ from typing import Any
 from reshard_svc.errors import CheckpointError
 from reshard_svc.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.sources import HF_INDEX
-from reshard_svc.storage import FsspecStorage, open_storage
+from reshard_svc.storage import Storage, open_storage
 
 __all__ = [
     "LEASE_TTL_S",
@@ -116,7 +116,7 @@ class Lease:
     """Held by a save's or convert's coordinator from before its first write until its
     commit or abort; renewed every :data:`HEARTBEAT_S` by a daemon thread."""
 
-    def __init__(self, storage: FsspecStorage, token: str, kind: str) -> None:
+    def __init__(self, storage: Storage, token: str, kind: str) -> None:
         now = time.time()
         self.storage = storage
         self.record = LeaseRecord(
@@ -159,7 +159,7 @@ class Lease:
             logger.warning("could not remove the lease on %s", self.storage.uri, exc_info=True)
 
 
-def replaced_files(storage: FsspecStorage) -> set[str]:
+def replaced_files(storage: Storage) -> set[str]:
     """The files a commit at ``storage`` replaces: the committed checkpoint's data files
     and index (and its HF index, if it is an HF export). Empty when nothing is committed."""
     if not storage.exists(INDEX_NAME):
@@ -181,7 +181,7 @@ class TargetRun:
     Created by rank 0 only, before any rank writes a data file.
     """
 
-    def __init__(self, storage: FsspecStorage, kind: str, overwrite: bool = False) -> None:
+    def __init__(self, storage: Storage, kind: str, overwrite: bool = False) -> None:
         storage.check_target(INDEX_NAME, overwrite)
         try:
             collect(storage)
@@ -192,7 +192,7 @@ class TargetRun:
         self.token = uuid.uuid4().hex
         self.lease = Lease(storage, self.token, kind)
 
-    def commit(self, staging: FsspecStorage, index_bytes: bytes) -> None:
+    def commit(self, staging: Storage, index_bytes: bytes) -> None:
         """Make the new checkpoint visible; on failure nothing half-done is left visible and
         nothing is deleted that ``collect`` would need to finish the commit."""
         try:
@@ -203,7 +203,7 @@ class TargetRun:
             raise
         self.lease.release(remove=not self.storage.pending(self.token))
 
-    def abort(self, staging: FsspecStorage) -> None:
+    def abort(self, staging: Storage) -> None:
         try:
             self.storage.abort(staging)
         finally:
@@ -227,7 +227,7 @@ class GcReport:
 
 
 def collect(
-    target: str | FsspecStorage,
+    target: str | Storage,
     *,
     owner: str | None = None,
     dry_run: bool = False,
@@ -238,7 +238,7 @@ def collect(
     Only runs whose lease is stale (see the module doc) or held by ``owner`` are touched.
     ``dry_run`` reports what would be done and changes nothing.
     """
-    storage = target if isinstance(target, FsspecStorage) else open_storage(target, storage_options)
+    storage = target if isinstance(target, Storage) else open_storage(target, storage_options)
     report = GcReport(storage.uri)
     now = time.time()
     leases = storage.read_leases()

@@ -25,7 +25,7 @@ from reshard_svc.errors import (
 )
 from reshard_svc.index import CheckpointIndex
 from reshard_svc.sources import open_checkpoint, read_header
-from reshard_svc.storage import FsspecStorage, open_storage
+from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["VerifyReport", "describe_index", "inspect", "read_blob", "verify"]
 
@@ -181,7 +181,7 @@ def verify(
 
 
 def _verify_structure(
-    storage: FsspecStorage, name: str, meta: Any, chunks: list[tuple[Any, Any]], out: list[str]
+    storage: Storage, name: str, meta: Any, chunks: list[tuple[Any, Any]], out: list[str]
 ) -> bool:
     """Size and header checks; False when the data cannot be checked further."""
     size = storage.size(name)
@@ -211,7 +211,7 @@ def _verify_structure(
 
 
 def _check_data(
-    storage: FsspecStorage,
+    storage: Storage,
     name: str,
     meta: Any,
     lo: int,

@@ -25,7 +25,7 @@ from reshard_svc.errors import (
 from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.layout import Box
 from reshard_svc.safetensors_io import ParsedHeader, parse_header
-from reshard_svc.storage import FsspecStorage, open_storage
+from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["SAVE_TOKEN_KEY", "open_checkpoint", "read_header"]
 
@@ -39,7 +39,7 @@ HF_INDEX = "model.safetensors.index.json"
 _PROBE = 64 * 1024
 
 
-def read_header(storage: FsspecStorage, name: str, size: int) -> ParsedHeader:
+def read_header(storage: Storage, name: str, size: int) -> ParsedHeader:
     """Parse one safetensors file's header with at most two ranged reads."""
     want = min(size, _PROBE)
     (prefix,) = storage.read_ranges([(name, 0, want)]) if want else [memoryview(b"")]
@@ -53,16 +53,16 @@ def read_header(storage: FsspecStorage, name: str, size: int) -> ParsedHeader:
 
 
 def open_checkpoint(
-    uri: str | FsspecStorage, storage_options: dict[str, Any] | None = None
-) -> tuple[FsspecStorage, CheckpointIndex]:
+    uri: str | Storage, storage_options: dict[str, Any] | None = None
+) -> tuple[Storage, CheckpointIndex]:
     """Open a checkpoint folder and describe it. Raises NotACheckpointError if it is none."""
-    storage = uri if isinstance(uri, FsspecStorage) else open_storage(uri, storage_options)
+    storage = uri if not isinstance(uri, str) else open_storage(uri, storage_options)
     names = storage.listdir()
-    if names in ([], [storage.root.rsplit("/", 1)[-1]]) and storage.fs.isfile(storage.root):
-        raise NotACheckpointError(
-            f"{storage.uri} is a file, not a checkpoint folder: pass the folder that holds it"
-        )
-    if not names and not storage.fs.exists(storage.root):
+    if len(names) <= 1 and (kind := storage.root_kind()) != "folder":
+        if kind == "file":
+            raise NotACheckpointError(
+                f"{storage.uri} is a file, not a checkpoint folder: pass the folder that holds it"
+            )
         raise NotACheckpointError(f"{storage.uri} does not exist: check the path")
     if INDEX_NAME in names:
         index = CheckpointIndex.loads(storage.read(INDEX_NAME), f"{storage.uri}/{INDEX_NAME}")
@@ -85,7 +85,7 @@ def open_checkpoint(
     )
 
 
-def _check_hf_index(storage: FsspecStorage, index: CheckpointIndex) -> None:
+def _check_hf_index(storage: Storage, index: CheckpointIndex) -> None:
     """A Hugging Face ``model.safetensors.index.json`` must agree with the files."""
     where = f"{storage.uri}/{HF_INDEX}"
     try:
@@ -107,7 +107,7 @@ def _check_hf_index(storage: FsspecStorage, index: CheckpointIndex) -> None:
             )
 
 
-def _check_files_present(storage: FsspecStorage, index: CheckpointIndex) -> None:
+def _check_files_present(storage: Storage, index: CheckpointIndex) -> None:
     """Every data file the index lists exists with the size it records (one listing)."""
     sizes = storage.sizes()
     for name, meta in sorted(index.files.items()):
@@ -120,7 +120,7 @@ def _check_files_present(storage: FsspecStorage, index: CheckpointIndex) -> None
             )
 
 
-def _from_safetensors(storage: FsspecStorage, files: list[str]) -> CheckpointIndex:
+def _from_safetensors(storage: Storage, files: list[str]) -> CheckpointIndex:
     sizes = {n: storage.size(n) for n in files}
     chunks: dict[str, list[tuple[Chunk, Any]]] = {}
     dcp = False

@@ -46,7 +46,7 @@ from reshard_svc.runtime.load import open_shared
 from reshard_svc.safetensors_io import dtype_from_name, encode_header, itemsize
 from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
 from reshard_svc.sources import HF_INDEX
-from reshard_svc.storage import FsspecStorage, HashingWriter, LocalStorage, open_storage
+from reshard_svc.storage import HashingWriter, Storage, open_storage
 
 __all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
 
@@ -57,8 +57,6 @@ DEFAULT_SHARD_SIZE = 5 * 1000**3  # HF's default max_shard_size
 
 #: Cost model constants (see ``choose_strategy``). Local page-cache reads are far faster
 #: than gloo's ~2-3 GB/s exchange; object stores pay per request and per byte.
-LOCAL = {"latency_s": 5e-5, "bandwidth": 3e9}
-REMOTE = {"latency_s": 3e-2, "bandwidth": 5e8}
 EXCHANGE_BANDWIDTH = 2.5e9
 
 
@@ -169,7 +167,7 @@ def plan_hf(
 
 
 def copy_blobs(
-    index: CheckpointIndex, src: FsspecStorage, staging: FsspecStorage, name: str, algorithm: str
+    index: CheckpointIndex, src: Storage, staging: Storage, name: str, algorithm: str
 ) -> tuple[FileMeta, dict[str, Blob]]:
     """Copy every opaque item of ``index`` verbatim into one file ``name`` of ``staging``
     (block CRCs checked on the way in where the source has them; never deserialized)."""
@@ -191,20 +189,19 @@ def copy_blobs(
     return FileMeta.from_written(name, writer.size, writer.result(), block_size), out
 
 
-def choose_strategy(plans: dict[str, ReadPlan], storage: FsspecStorage) -> str:
+def choose_strategy(plans: dict[str, ReadPlan], storage: Storage) -> str:
     """The cheaper of exchange/direct under a simple cost model.
 
     cost(direct)   = requests x latency + bytes read (over-reads included) / storage bw
     cost(exchange) = requests x latency + bytes read / storage bw + bytes moved / ~2.5 GB/s
     Both sides are spread over the workers, so totals are divided by the worker count.
     """
-    c = LOCAL if isinstance(storage, LocalStorage) else REMOTE
 
     def cost(p: ReadPlan) -> float:
         w = max(1, p.world)
         return (
-            p.reads_count() * c["latency_s"] / w
-            + sum(p.bytes_read()) / c["bandwidth"] / w
+            p.reads_count() * storage.latency_s / w
+            + sum(p.bytes_read()) / storage.bandwidth / w
             + p.bytes_exchanged() / EXCHANGE_BANDWIDTH
         )
 
@@ -478,7 +475,7 @@ class _FileWriter:
     hashed and written on the background threads."""
 
     def __init__(
-        self, staging: FsspecStorage, spec: FileSpec, background: BackgroundWriter, checksum: str
+        self, staging: Storage, spec: FileSpec, background: BackgroundWriter, checksum: str
     ) -> None:
         self.spec = spec
         self.background = background

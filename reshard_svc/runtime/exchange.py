@@ -22,7 +22,7 @@ from reshard_svc.errors import CorruptCheckpointError
 from reshard_svc.read_plan import Part, Read, ReadPlan, Wave
 from reshard_svc.runtime.buffers import tensor_runs
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.storage import FsspecStorage, LocalStorage
+from reshard_svc.storage import Storage
 
 __all__ = ["Progress", "ProgressInfo", "Sink", "execute"]
 
@@ -66,10 +66,10 @@ def _align(n: int) -> int:
     return (n + 7) & ~7
 
 
-def read_bands(storage: FsspecStorage, ranges: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+def read_bands(storage: Storage, ranges: list[tuple[str, int, int]]) -> list[torch.Tensor]:
     """Read byte ranges into fresh uint8 tensors (positioned reads locally, concurrent
     ranged GETs on object stores)."""
-    if isinstance(storage, LocalStorage):
+    if storage.local_files:
         out = []
         for name, start, end in ranges:
             buf = torch.empty(end - start, dtype=torch.uint8)
@@ -185,7 +185,7 @@ class WaveReader:
         self.dtypes = dtypes
         self.rank = rank
         self.dest_view = dest_view
-        self.local = isinstance(storage, LocalStorage)
+        self.local = storage.local_files
         self.checked = CheckedReader(storage, tables, mapped=self.local)
         self.check_in_place = check_in_place
         self.direct: set[int] = set()
@@ -288,7 +288,7 @@ class WaveReader:
 
 def execute(
     plan: ReadPlan,
-    storage: FsspecStorage,
+    storage: Storage,
     dtypes: Mapping[str, torch.dtype],
     comm: Comm,
     sink: Sink,

@@ -24,7 +24,7 @@ from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
 from reshard_svc.sources import open_checkpoint
 from reshard_svc.state_dict import flatten, unflatten
-from reshard_svc.storage import FsspecStorage, open_storage
+from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["DEFAULT_MAX_MEMORY", "LoadStats", "load", "open_shared"]
 
@@ -43,7 +43,7 @@ class LoadStats:
 
 def open_shared(
     uri: str, comm: Comm, storage_options: Mapping[str, Any] | None = None
-) -> tuple[FsspecStorage, CheckpointIndex]:
+) -> tuple[Storage, CheckpointIndex]:
     """Every rank gets the same validated index of the checkpoint at ``uri``.
 
     A native checkpoint's index is read and parsed by every rank at once (rank 0 also

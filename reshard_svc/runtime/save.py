@@ -31,7 +31,7 @@ from reshard_svc.runtime.targets import Placed, describe, gather_holders
 from reshard_svc.safetensors_io import st_code
 from reshard_svc.save_plan import FileSpec, SavePlan, TensorPlacement, plan_save
 from reshard_svc.state_dict import flatten
-from reshard_svc.storage import FsspecStorage, HashingWriter, open_storage
+from reshard_svc.storage import HashingWriter, Storage, open_storage
 
 __all__ = [
     "PreparedSave",
@@ -61,7 +61,7 @@ def box_bands(view: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _write_file(
-    staging: FsspecStorage,
+    staging: Storage,
     spec: FileSpec,
     placed: dict[str, Placed],
     background: BackgroundWriter,
@@ -88,8 +88,8 @@ class PreparedSave:
     """A save after the ranks agreed on it: what to write where, before any data moves."""
 
     uri: str
-    storage: FsspecStorage
-    staging: FsspecStorage
+    storage: Storage
+    staging: Storage
     placed: dict[str, Placed]
     extras: dict[str, Any]
     plan: SavePlan
@@ -103,7 +103,7 @@ def prepare_save(
     state_dict: Mapping[str, Any],
     uri: str,
     comm: Comm,
-    storage: FsspecStorage,
+    storage: Storage,
     checksum: str = "crc32c",
     overwrite: bool = False,
 ) -> PreparedSave:
@@ -163,7 +163,7 @@ def prepare_save(
     )
 
 
-def write_files(prep: PreparedSave, rank: int, staging: FsspecStorage | None = None) -> list[Any]:
+def write_files(prep: PreparedSave, rank: int, staging: Storage | None = None) -> list[Any]:
     """This rank's share of the data files (no collectives): [[name, size, sums], ...]."""
     staging = staging or prep.staging
     with BackgroundWriter(WRITE_QUEUE_BYTES) as background:

@@ -35,15 +35,28 @@ class Storage(Protocol):
     """A folder of files on some storage, addressed by ``uri``."""
 
     uri: str
+    #: fsspec options the storage was opened with (endpoint, credentials, retries)
+    storage_options: dict[str, Any]
     #: File names inside a staging area carry this suffix before ``.safetensors`` so a
     #: save into an object store never overwrites the files of the committed checkpoint.
     file_suffix: str
+    #: Capabilities the runtime plans with. ``local_files``: files live on a local
+    #: filesystem (read-only memory maps of the page cache, reads straight into place,
+    #: commit by rename); otherwise reads are ranged requests and the index is the commit.
+    local_files: bool
+    #: The cost model's inputs for reads from this storage: seconds per request, bytes/s.
+    latency_s: float
+    bandwidth: float
 
     def exists(self, name: str) -> bool: ...
 
     def size(self, name: str) -> int: ...
 
     def listdir(self) -> list[str]: ...
+
+    def root_kind(self) -> str:
+        """``folder``, ``file`` or ``missing``: what the URI itself names."""
+        ...
 
     def sizes(self) -> dict[str, int]:
         """File name -> size of every file in the folder (one listing)."""
@@ -62,6 +75,11 @@ class Storage(Protocol):
 
     def read_into(self, name: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``start`` (exactly ``len(out)`` bytes)."""
+        ...
+
+    def read_runs(self, name: str, start: int, runs: Sequence[memoryview]) -> None:
+        """Fill writable byte buffers ``runs``, in order, from consecutive bytes at ``start``
+        (locally one ``preadv``: the bytes land in place)."""
         ...
 
     def open_write(self, name: str) -> IO[bytes]: ...

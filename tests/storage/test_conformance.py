@@ -122,3 +122,19 @@ def test_every_backend_satisfies_the_storage_protocol(root):
     from reshard_svc.storage import Storage
 
     assert isinstance(open_storage(f"{root}/ck"), Storage)
+
+
+def test_capabilities_and_reads_into_place(root):
+    """``read_runs`` fills buffers in order on every backend; ``root_kind`` names the URI;
+    the capabilities the planner uses say what the backend is."""
+    storage = open_storage(f"{root}/ck")
+    assert storage.root_kind() == "missing"
+    payload = bytes(range(256)) * 4
+    storage.write("blob.bin", payload)
+    assert storage.root_kind() == "folder"
+    assert open_storage(f"{root}/ck/blob.bin").root_kind() == "file"
+    runs = [memoryview(bytearray(n)) for n in (3, 0, 100, 7)]
+    storage.read_runs("blob.bin", 10, runs)
+    assert b"".join(bytes(r) for r in runs) == payload[10:120]
+    assert storage.local_files == (not root.startswith(("memory://", "s3://")))
+    assert storage.latency_s > 0 and storage.bandwidth > 0
