@@ -1,0 +1,153 @@
+"""The pure plans of ``convert``: what the output holds (files, headers, chunk byte
+ranges, one writer worker per file), where each target band lands, and which read
+strategy costs less. Every worker computes the same answers; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from reshard_svc.index import CheckpointIndex, Chunk
+from reshard_svc.layout import Box, Layout
+from reshard_svc.read_plan import ReadPlan, band_limit, row_step, split_rows
+from reshard_svc.safetensors_io import encode_header, itemsize
+from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
+
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "EXCHANGE_BANDWIDTH",
+    "OutputPlan",
+    "choose_strategy",
+    "plan_hf",
+    "plan_native",
+    "target_bands",
+]
+
+DEFAULT_SHARD_SIZE = 5 * 1000**3  # HF's default max_shard_size
+
+#: The exchange's bandwidth in the cost model (gloo moves ~2-3 GB/s per worker pair).
+EXCHANGE_BANDWIDTH = 2.5e9
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    files: tuple[FileSpec, ...]  # FileSpec.writer is the worker rank
+    chunks: dict[str, tuple[Chunk, ...]]
+    layouts: dict[str, Layout | None]
+    dtypes: dict[str, torch.dtype]
+
+
+def assign_files(files: list[FileSpec], workers: int) -> list[FileSpec]:
+    """Each output file gets one writer worker, balancing bytes (deterministic)."""
+    load = [0] * workers
+    out = []
+    for spec in sorted(files, key=lambda f: (-f.size, f.name)):
+        w = min(range(workers), key=lambda r: (load[r], r))
+        load[w] += spec.size
+        out.append(FileSpec(spec.name, w, spec.entries, spec.header, spec.size))
+    return sorted(out, key=lambda f: f.name)
+
+
+def plan_native(
+    index: CheckpointIndex, layouts: dict[str, Layout], dtypes: dict[str, torch.dtype],
+    workers: int, token: str, suffix: str,
+) -> OutputPlan:  # fmt: skip
+    world = max((lay.mesh.size for lay in layouts.values()), default=1)
+    placements = []
+    for name, meta in index.tensors.items():
+        lay = layouts[name]
+        items = lay.write_items(meta.shape)
+        placements.append(
+            TensorPlacement(
+                name, dtypes[name], meta.shape, lay, tuple((it.box, it.holders) for it in items)
+            )
+        )
+    plan = plan_save(placements, world, token=token, file_suffix=suffix)
+    return OutputPlan(
+        tuple(assign_files(list(plan.files), workers)), plan.chunks, dict(layouts), dtypes
+    )
+
+
+def plan_hf(
+    index: CheckpointIndex, dtypes: dict[str, torch.dtype], workers: int, max_shard: int
+) -> OutputPlan:
+    """Consolidated HF export: whole tensors in size-capped ``model-0000i-of-0000N`` files."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(index.tensors):
+        meta = index.tensors[name]
+        n = math.prod(meta.shape) * itemsize(dtypes[name])
+        if groups[-1] and size + n > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    total = len(groups)
+    files: list[FileSpec] = []
+    chunks: dict[str, tuple[Chunk, ...]] = {}
+    for i, names in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        header, ranges = encode_header(
+            [(n, dtypes[n], index.tensors[n].shape) for n in names], {"format": "pt"}
+        )
+        end = len(header)
+        for name in names:
+            b, e = ranges[name]
+            shape = index.tensors[name].shape
+            chunks[name] = (
+                (Chunk(Box((0,) * len(shape), shape), fname, b, e),) if math.prod(shape) else ()
+            )
+            end = max(end, e)
+        full = tuple(
+            (n, Box((0,) * len(index.tensors[n].shape), index.tensors[n].shape)) for n in names
+        )
+        files.append(FileSpec(fname, 0, full, header, end))
+    return OutputPlan(
+        tuple(assign_files(files, workers)), chunks, dict.fromkeys(index.tensors), dtypes
+    )
+
+
+def target_bands(
+    out: OutputPlan, index: CheckpointIndex, budget: int
+) -> tuple[dict[str, list[tuple[Box, tuple[int, ...]]]], dict[tuple[str, Box], tuple[str, int]]]:
+    """Target boxes cut on the read plan's row grid, each with its writer, and where each
+    band lands: (file, byte offset)."""
+    writer_of = {f.name: f.writer for f in out.files}
+    wanted: dict[str, list[tuple[Box, tuple[int, ...]]]] = {}
+    where: dict[tuple[str, Box], tuple[str, int]] = {}
+    for name, chunks in out.chunks.items():
+        meta = index.tensors[name]
+        step = row_step(meta.shape, meta.itemsize, band_limit(budget))
+        osz = itemsize(out.dtypes[name])
+        bands: list[tuple[Box, tuple[int, ...]]] = []
+        for c in chunks:
+            row = math.prod(c.box.sizes[1:]) * osz if c.box.ndim else 0
+            for band in split_rows(c.box, step):
+                off = (band.offsets[0] - c.box.offsets[0]) * row if band.ndim else 0
+                where[(name, band)] = (c.file, c.begin + off)
+                bands.append((band, (writer_of[c.file],)))
+        wanted[name] = bands
+    return wanted, where
+
+
+def choose_strategy(plans: dict[str, ReadPlan], latency_s: float, bandwidth: float) -> str:
+    """The cheaper of exchange/direct under a simple cost model.
+
+    cost(direct)   = requests x latency + bytes read (over-reads included) / storage bw
+    cost(exchange) = requests x latency + bytes read / storage bw + bytes moved / ~2.5 GB/s
+    Both sides are spread over the workers, so totals are divided by the worker count.
+    ``latency_s`` and ``bandwidth`` are the source storage's own figures.
+    """
+
+    def cost(p: ReadPlan) -> float:
+        w = max(1, p.world)
+        return (
+            p.reads_count() * latency_s / w
+            + sum(p.bytes_read()) / bandwidth / w
+            + p.bytes_exchanged() / EXCHANGE_BANDWIDTH
+        )
+
+    return min(plans, key=lambda k: (cost(plans[k]), k != "exchange"))

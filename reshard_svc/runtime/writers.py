@@ -1,0 +1,163 @@
+"""Where converted bytes go: bands gather per wave (:class:`BandSink`) and stream into
+their output files in offset order (:class:`FileWriter`); opaque items are copied
+verbatim (:func:`copy_blobs`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from reshard_svc.checksums import DEFAULT_BLOCK_SIZE
+from reshard_svc.errors import CheckpointError
+from reshard_svc.index import Blob, CheckpointIndex, FileMeta
+from reshard_svc.layout import Box
+from reshard_svc.read_plan import Part, ReadPlan, Wave
+from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
+from reshard_svc.save_plan import FileSpec
+from reshard_svc.storage import HashingWriter, Storage
+
+__all__ = ["BandSink", "FileWriter", "copy_blobs"]
+
+logger = logging.getLogger(__name__)
+
+
+def copy_blobs(
+    index: CheckpointIndex, src: Storage, staging: Storage, name: str, algorithm: str
+) -> tuple[FileMeta, dict[str, Blob]]:
+    """Copy every opaque item of ``index`` verbatim into one file ``name`` of ``staging``
+    (block CRCs checked on the way in where the source has them; never deserialized)."""
+    tables = index.block_tables()
+    out: dict[str, Blob] = {}
+    with staging.open_write(name) as raw:
+        writer = HashingWriter(raw, algorithm, DEFAULT_BLOCK_SIZE)
+        for key in sorted(index.blobs):
+            b = index.blobs[key]
+            table = tables.get(b.file)
+            lo, hi = table.widen(b.begin, b.end) if table else (b.begin, b.end)
+            data = src.read_view(b.file, lo, hi)
+            if table:
+                table.check(lo, data)
+            start = writer.size
+            writer.write(data[b.begin - lo : b.end - lo])
+            out[key] = Blob(key, name, start, writer.size, b.encoding)
+    block_size = DEFAULT_BLOCK_SIZE if algorithm != "none" else None
+    return FileMeta.from_written(name, writer.size, writer.result(), block_size), out
+
+
+class BandSink:
+    """Where a worker's target bands gather during a wave, and how they reach their files.
+
+    A band that arrives as whole-width row slabs (a row-sharded target from row-sharded
+    sources: each slab is a contiguous piece of a verified memory map or of a receive
+    buffer) is written slab by slab, never copied. Any other band is assembled in a
+    pooled buffer that goes back to the pool once it is written.
+    """
+
+    def __init__(
+        self,
+        plan: ReadPlan,
+        dtypes: dict[str, torch.dtype],
+        where: dict[tuple[str, Box], tuple[str, int]],
+        writers: dict[str, FileWriter],
+        pool: BufferPool,
+    ) -> None:
+        self.plan, self.dtypes, self.where, self.writers, self.pool = (
+            plan, dtypes, where, writers, pool
+        )  # fmt: skip
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.slabs: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def view(self, part: Part) -> torch.Tensor:
+        """The region of the target's staging buffer that ``part`` fills."""
+        t = self.plan.targets[part.target]
+        buf = self.buffers.get(part.target)
+        if buf is None:
+            buf = self.buffers[part.target] = self.pool.take(t.box.sizes, self.dtypes[t.tensor])
+        return buf[part.box.slices_in(t.box)]
+
+    @torch.no_grad()
+    def put(self, part: Part, data: torch.Tensor) -> None:
+        t = self.plan.targets[part.target]
+        if (
+            part.box.ndim
+            and part.box.offsets[1:] == t.box.offsets[1:]
+            and part.box.sizes[1:] == t.box.sizes[1:]
+            and part.target not in self.buffers
+            and data.dtype == self.dtypes[t.tensor]
+            and data.is_contiguous()
+        ):
+            self.slabs.setdefault(part.target, []).append((part.box.offsets[0], data))
+            return
+        self.view(part).copy_(data)
+
+    def flush(self, wave: Wave) -> None:
+        """Every band of the wave is complete: queue them for their files, in file order."""
+        targets = self.plan.targets
+        for ti in sorted(
+            {*self.buffers, *self.slabs},
+            key=lambda i: self.where[(targets[i].tensor, targets[i].box)],
+        ):
+            t = targets[ti]
+            fname, offset = self.where[(t.tensor, t.box)]
+            slabs = sorted(self.slabs.pop(ti, []), key=lambda s: s[0])
+            buf = self.buffers.pop(ti, None)
+            if buf is not None:  # a band that also got non-slab parts: assemble it all
+                for row, data in slabs:
+                    buf[row - t.box.offsets[0] : row - t.box.offsets[0] + data.shape[0]] = data
+                self.writers[fname].put(offset, buf, self.pool.give)
+                continue
+            row_bytes = math.prod(t.box.sizes[1:]) * self.dtypes[t.tensor].itemsize
+            for row, data in slabs:
+                self.writers[fname].put(offset + (row - t.box.offsets[0]) * row_bytes, data, None)
+
+
+class FileWriter:
+    """Streams one output file: header, then target bands strictly in offset order,
+    hashed and written on the background threads."""
+
+    def __init__(
+        self, staging: Storage, spec: FileSpec, background: BackgroundWriter, checksum: str
+    ) -> None:
+        self.spec = spec
+        self.background = background
+        self.raw = staging.open_write(spec.name)
+        self.out = HashingWriter(self.raw, checksum, DEFAULT_BLOCK_SIZE)
+        self.out.write(spec.header)
+        self.next = len(spec.header)  # offset of the next byte to queue
+        self.pending: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def put(
+        self, offset: int, data: torch.Tensor, release: Callable[[torch.Tensor], None] | None
+    ) -> None:
+        """Queue ``data`` for ``offset``; ``release(data)`` once it is on its way to storage."""
+        self.pending[offset] = (data, release)
+        while self.next in self.pending:
+            t, rel = self.pending.pop(self.next)
+            t = t.contiguous()
+            mv = tensor_bytes(t)
+            done = functools.partial(rel, t) if rel is not None else None
+            self.background.submit(self.out, mv, keep=t, done=done)
+            self.next += mv.nbytes
+
+    def close(self) -> list[Any]:
+        if self.pending or self.out.size != self.spec.size:
+            raise CheckpointError(
+                f"{self.spec.name}: wrote {self.out.size} of {self.spec.size} bytes "
+                f"({len(self.pending)} bands out of order): the source does not cover the target"
+            )
+        self.raw.close()
+        return [self.spec.name, self.out.size, self.out.result()]
+
+    def discard(self) -> None:
+        # Object-store writers can drop an unfinished upload; a local file is just closed
+        # (the coordinator removes the staging folder).
+        drop = getattr(self.raw, "discard", None)
+        try:
+            (drop or self.raw.close)()
+        except Exception:  # best effort: the staging area is removed by the coordinator
+            logger.debug("closing %s after a failure", self.spec.name, exc_info=True)
