@@ -273,8 +273,7 @@ class Conversion:
         self.comm.run_everywhere("convert: opening output files", open_writers)
         bytes_read = execute(
             plan, self.storage, {n: m.dtype for n, m in self.index.tensors.items()}, self.comm,
-            sink.put, progress, sink.flush, dest_view=sink.view,
-            blocks=self.index.block_tables(), check_in_place=False,
+            sink, progress, blocks=self.index.block_tables(), check_in_place=False,
         )  # fmt: skip
 
         def close_all() -> list[Any]:

@@ -13,7 +13,7 @@ import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,12 +24,27 @@ from reshard_svc.runtime.buffers import tensor_runs
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.storage import Storage
 
-__all__ = ["Progress", "ProgressInfo", "Sink", "execute"]
+__all__ = ["Destination", "Progress", "ProgressInfo", "execute"]
 
 logger = logging.getLogger(__name__)
 
-#: ``sink(part, data)``: ``data`` holds ``part.box`` of the source tensor (source dtype).
-Sink = Callable[[Part, torch.Tensor], None]
+
+class Destination(Protocol):
+    """Where the executor lands a plan's parts on this rank."""
+
+    def view(self, part: Part) -> torch.Tensor:
+        """The CPU tensor region ``part`` lands in (the executor copies into it, or reads
+        straight into it from a local file)."""
+        ...
+
+    def take(self, part: Part, data: torch.Tensor) -> bool:
+        """Keep ``data`` (``part.box`` in the source dtype) as it is, without a copy, and
+        say True; or say False and the executor copies it into ``view(part)``."""
+        ...
+
+    def wave_done(self, wave: Wave) -> None:
+        """Every part of ``wave`` for this rank has landed."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -51,8 +66,6 @@ class ProgressInfo:
 
 
 Progress = Callable[[ProgressInfo], None]
-#: ``dest_view(part)``: the CPU tensor region ``part`` lands in, or None.
-DestView = Callable[[Part], "torch.Tensor | None"]
 
 
 #: Small reads of one file coalesce into mapped spans up to this size: big enough to share
@@ -169,7 +182,7 @@ class WaveReader:
     * **buffered**: the rest (no block table, or object stores) is read into fresh buffers.
 
     ``direct`` holds the parts that already sit in their destination, so the executor
-    does not hand them to its sink.
+    does not deliver them again.
     """
 
     def __init__(
@@ -177,18 +190,18 @@ class WaveReader:
         storage: Any,
         dtypes: Mapping[str, torch.dtype],
         rank: int,
-        dest_view: DestView | None,
+        dest: Destination,
         tables: Mapping[str, BlockTable],
         check_in_place: bool,
     ) -> None:
         self.storage = storage
         self.dtypes = dtypes
         self.rank = rank
-        self.dest_view = dest_view
+        self.dest = dest
         self.local = storage.local_files
         self.checked = CheckedReader(storage, tables, mapped=self.local)
         self.check_in_place = check_in_place
-        self.direct: set[int] = set()
+        self.direct: set[Part] = set()
 
     def read(self, mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         """This rank's reads of one wave, in order, as tensors of each read's box."""
@@ -220,7 +233,7 @@ class WaveReader:
     ) -> tuple[Part, torch.Tensor, list[Any]] | None:
         """(part, destination view, its memory runs) when ``r`` can be read straight into
         its destination: it is exactly one part of this rank, landing in few long runs."""
-        if self.dest_view is None or r.encoding != "raw":
+        if r.encoding != "raw":
             return None
         table = self.checked.tables.get(r.file)
         if table is not None and (not self.check_in_place or r.nbytes < 2 * table.block_size):
@@ -228,7 +241,7 @@ class WaveReader:
         own = [p for p in parts if p.dest == self.rank and p.box == r.box]
         if not own:
             return None
-        view = self.dest_view(own[0])
+        view = self.dest.view(own[0])
         runs = tensor_runs(view) if view is not None else None
         if view is None or runs is None or view.dtype != self.dtypes[r.tensor]:
             return None
@@ -252,7 +265,7 @@ class WaveReader:
             newly = self._check_edges(r, table) + self._read_checked_blocks(r, table, runs)
             self.checked.bytes_checked += newly
             self.checked.bytes_fetched += newly  # local: each block read once, wholly
-        self.direct.add(id(part))
+        self.direct.add(part)
         return view
 
     def _check_edges(self, r: Read, table: BlockTable) -> int:
@@ -291,10 +304,8 @@ def execute(
     storage: Storage,
     dtypes: Mapping[str, torch.dtype],
     comm: Comm,
-    sink: Sink,
+    dest: Destination,
     progress: Progress | None = None,
-    on_wave_end: Callable[[Wave], None] | None = None,
-    dest_view: DestView | None = None,
     blocks: Mapping[str, BlockTable] | None = None,
     check_in_place: bool = True,
 ) -> int:
@@ -307,10 +318,10 @@ def execute(
     in its destination first (see :class:`WaveReader`); ``convert`` turns it off, since
     it writes verified memory-mapped source bytes to its files without any copy.
 
-    ``on_wave_end(wave)`` runs after every part of the wave reached its sink.
-    ``dest_view(part)`` may return the CPU tensor region a part will land in; when a
-    read is exactly such a part on a local file, the bytes are read straight into it
-    (``preadv``, no staging buffer) and the sink is not called for that part.
+    Each part for this rank lands in ``dest``: taken as is (``dest.take``) or copied
+    into ``dest.view(part)``; when a read is exactly one such part on a local file, the
+    bytes are read straight into its view (``preadv``, no staging buffer).
+    ``dest.wave_done(wave)`` runs once every part of the wave has landed.
     """
     me = comm.rank
     total = plan.bytes_total
@@ -318,11 +329,15 @@ def execute(
     done = tensors_done = 0
     bytes_read = 0
     tensors = {r.id: r.tensor for w in plan.waves for r in w.reads}
-    # A failure in a sink or wave hook is held until the next agreement point, so every
+    # A failure in the destination is held until the next agreement point, so every
     # rank fails together instead of leaving peers blocked in all_to_all.
     pending: list[BaseException] = []
 
-    reader = WaveReader(storage, dtypes, me, dest_view, blocks or {}, check_in_place)
+    reader = WaveReader(storage, dtypes, me, dest, blocks or {}, check_in_place)
+
+    def land(p: Part, data: torch.Tensor) -> None:
+        if not dest.take(p, data):
+            dest.view(p).copy_(data)
 
     def read_or_fail(mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         if pending:
@@ -372,17 +387,16 @@ def execute(
             recv = torch.empty(0, dtype=torch.uint8)
         try:
             for p in wave.parts:
-                if p.dest == me and readers[p.read].reader == me and id(p) not in reader.direct:
-                    sink(p, piece(p))
+                if p.dest == me and readers[p.read].reader == me and p not in reader.direct:
+                    land(p, piece(p))
             off = 0
             for p in crossing:
                 if p.dest == me:
                     data = recv[off : off + p.nbytes].view(dtypes[tensors[p.read]])
-                    sink(p, data.view(p.box.sizes))
+                    land(p, data.view(p.box.sizes))
                     off += _align(p.nbytes)
             del recv, bands, piece
-            if on_wave_end is not None:
-                on_wave_end(wave)
+            dest.wave_done(wave)
         except Exception as e:  # surfaced on every rank at the next agreement
             pending.append(e)
         done += sum(p.nbytes for p in wave.parts)

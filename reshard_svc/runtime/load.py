@@ -18,7 +18,7 @@ import torch
 
 from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
 from reshard_svc.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
-from reshard_svc.read_plan import Part, plan_reads, warn_if_over_budget
+from reshard_svc.read_plan import Part, ReadPlan, Wave, plan_reads, warn_if_over_budget
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
@@ -165,26 +165,31 @@ def load(
     plan = plan_reads(
         index, {n: p.boxes for n, p in placed.items()}, comm.world, max_memory, strategy=strategy
     )
-    box_index = [(t.tensor, t.box) for t in plan.targets]
-
-    @torch.no_grad()
-    def sink(part: Part, data: torch.Tensor) -> None:
-        name, tbox = box_index[part.target]
-        view = placed[name].local[tbox]
-        view[part.box.slices_in(tbox)].copy_(data)
-
-    def dest_view(part: Part) -> torch.Tensor | None:
-        name, tbox = box_index[part.target]
-        return placed[name].local[tbox][part.box.slices_in(tbox)]
-
     dtypes = {n: m.dtype for n, m in index.tensors.items()}
     with torch.no_grad():
         read = execute(
-            plan, storage, dtypes, comm, sink, progress, dest_view=dest_view,
+            plan, storage, dtypes, comm, _IntoStateDict(plan, placed), progress,
             blocks=index.block_tables(),
         )  # fmt: skip
     planned = sum(r.nbytes for w in plan.waves for r in w.reads if r.reader == comm.rank)
     return LoadStats(read, sum(index.tensors[n].nbytes for n in placed), len(plan.waves), planned)
+
+
+class _IntoStateDict:
+    """``load``'s destination: the caller's own tensors (their local shards)."""
+
+    def __init__(self, plan: ReadPlan, placed: dict[str, Placed]) -> None:
+        self.targets, self.placed = plan.targets, placed
+
+    def view(self, part: Part) -> torch.Tensor:
+        t = self.targets[part.target]
+        return self.placed[t.tensor].local[t.box][part.box.slices_in(t.box)]
+
+    def take(self, part: Part, data: torch.Tensor) -> bool:
+        return False  # always copied into the caller's tensor
+
+    def wave_done(self, wave: Wave) -> None:
+        pass
 
 
 def _names(names: list[str], limit: int = 8) -> str:

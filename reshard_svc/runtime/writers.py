@@ -80,8 +80,8 @@ class BandSink:
             buf = self.buffers[part.target] = self.pool.take(t.box.sizes, self.dtypes[t.tensor])
         return buf[part.box.slices_in(t.box)]
 
-    @torch.no_grad()
-    def put(self, part: Part, data: torch.Tensor) -> None:
+    def take(self, part: Part, data: torch.Tensor) -> bool:
+        """Whole-width row slabs are kept as they are (written without a copy)."""
         t = self.plan.targets[part.target]
         if (
             part.box.ndim
@@ -92,10 +92,10 @@ class BandSink:
             and data.is_contiguous()
         ):
             self.slabs.setdefault(part.target, []).append((part.box.offsets[0], data))
-            return
-        self.view(part).copy_(data)
+            return True
+        return False
 
-    def flush(self, wave: Wave) -> None:
+    def wave_done(self, wave: Wave) -> None:
         """Every band of the wave is complete: queue them for their files, in file order."""
         targets = self.plan.targets
         for ti in sorted(
