@@ -1,6 +1,6 @@
 """The pure plans of ``convert``: what the output holds (files, headers, chunk byte
-ranges, one writer worker per file), where each target band lands, and which read
-strategy costs less. Every worker computes the same answers; nothing here does I/O.
+ranges, one writer worker per file) and where each target band lands. Every worker
+computes the same answers; nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -12,24 +12,19 @@ import torch
 
 from reshard_svc.index import CheckpointIndex, Chunk
 from reshard_svc.layout import Box, Layout
-from reshard_svc.read_plan import ReadPlan, band_limit, row_step, split_rows
+from reshard_svc.read_plan import band_limit, row_step, split_rows
 from reshard_svc.safetensors_io import encode_header, itemsize
 from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
-    "EXCHANGE_BANDWIDTH",
     "OutputPlan",
-    "choose_strategy",
     "plan_hf",
     "plan_native",
     "target_bands",
 ]
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3  # HF's default max_shard_size
-
-#: The exchange's bandwidth in the cost model (gloo moves ~2-3 GB/s per worker pair).
-EXCHANGE_BANDWIDTH = 2.5e9
 
 
 @dataclass(frozen=True)
@@ -131,23 +126,3 @@ def target_bands(
                 bands.append((band, (writer_of[c.file],)))
         wanted[name] = bands
     return wanted, where
-
-
-def choose_strategy(plans: dict[str, ReadPlan], latency_s: float, bandwidth: float) -> str:
-    """The cheaper of exchange/direct under a simple cost model.
-
-    cost(direct)   = requests x latency + bytes read (over-reads included) / storage bw
-    cost(exchange) = requests x latency + bytes read / storage bw + bytes moved / ~2.5 GB/s
-    Both sides are spread over the workers, so totals are divided by the worker count.
-    ``latency_s`` and ``bandwidth`` are the source storage's own figures.
-    """
-
-    def cost(p: ReadPlan) -> float:
-        w = max(1, p.world)
-        return (
-            p.reads_count() * latency_s / w
-            + sum(p.bytes_read()) / bandwidth / w
-            + p.bytes_exchanged() / EXCHANGE_BANDWIDTH
-        )
-
-    return min(plans, key=lambda k: (cost(plans[k]), k != "exchange"))

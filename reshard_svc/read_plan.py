@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from reshard_svc.boxes import overlaps
 from reshard_svc.errors import UsageError
@@ -35,7 +37,9 @@ __all__ = [
     "ReadPlan",
     "TargetBox",
     "Wave",
+    "StorageCost",
     "band_limit",
+    "choose_plan",
     "warn_if_over_budget",
     "plan_reads",
     "row_step",
@@ -318,3 +322,75 @@ def _waves(
         )
         for rs, ps, d in packed
     )
+
+
+@dataclass(frozen=True)
+class StorageCost:
+    """The cost model's inputs: the source storage's seconds per request and bytes per
+    second, the exchange's bytes per second, and whether the storage is local files.
+
+    Defaults come from the storage backend (``latency_s``, ``bandwidth``, ``local_files``);
+    ``RESHARD_STORAGE_LATENCY_S``, ``RESHARD_STORAGE_BANDWIDTH`` and
+    ``RESHARD_EXCHANGE_BANDWIDTH`` override them for a deployment that measured its own.
+    """
+
+    latency_s: float
+    bandwidth: float
+    exchange_bandwidth: float = 2.5e9  # gloo: ~2-3 GB/s per worker pair on one host
+    local: bool = True
+
+    @classmethod
+    def of(cls, storage: Any) -> StorageCost:
+        def env(name: str, default: float) -> float:
+            raw = os.environ.get(name)
+            try:
+                value = float(raw) if raw else default
+            except ValueError:
+                raise UsageError(f"{name}={raw!r} is not a number") from None
+            if value <= 0:
+                raise UsageError(f"{name}={raw!r} must be positive")
+            return value
+
+        return cls(
+            env("RESHARD_STORAGE_LATENCY_S", storage.latency_s),
+            env("RESHARD_STORAGE_BANDWIDTH", storage.bandwidth),
+            env("RESHARD_EXCHANGE_BANDWIDTH", cls.exchange_bandwidth),
+            bool(storage.local_files),
+        )
+
+    def seconds(self, plan: ReadPlan) -> float:
+        """Estimated wall time of ``plan``: requests and bytes read (over-reads included),
+        spread over the workers, plus the bytes moved between them.
+
+        cost = requests x latency / W + bytes read / bandwidth / W + bytes moved / exchange
+        """
+        w = max(1, plan.world)
+        return (
+            plan.reads_count() * self.latency_s / w
+            + sum(plan.bytes_read()) / self.bandwidth / w
+            + plan.bytes_exchanged() / self.exchange_bandwidth
+        )
+
+
+def choose_plan(
+    index: CheckpointIndex,
+    wanted: Mapping[str, Sequence[tuple[Box, tuple[int, ...]]]],
+    world: int,
+    budget: int,
+    strategy: str,
+    cost: StorageCost,
+) -> ReadPlan:
+    """``plan_reads`` for ``strategy``; ``auto`` plans both and keeps the cheaper one.
+
+    Off local files (object stores: every request and byte is paid for) ``auto`` keeps
+    exchange's read-once plan whenever ``direct`` would read more bytes.
+    """
+    if strategy not in ("auto", "exchange", "direct"):
+        raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
+    if strategy != "auto":
+        return plan_reads(index, wanted, world, budget, strategy=strategy)
+    exchange = plan_reads(index, wanted, world, budget, strategy="exchange")
+    direct = plan_reads(index, wanted, world, budget, strategy="direct")
+    if not cost.local and sum(direct.bytes_read()) > sum(exchange.bytes_read()):
+        return exchange
+    return direct if cost.seconds(direct) < cost.seconds(exchange) else exchange

@@ -34,12 +34,11 @@ from reshard_svc.layout import Box, Mesh
 from reshard_svc.output_plan import (
     DEFAULT_SHARD_SIZE,
     OutputPlan,
-    choose_strategy,
     plan_hf,
     plan_native,
     target_bands,
 )
-from reshard_svc.read_plan import ReadPlan, plan_reads, warn_if_over_budget
+from reshard_svc.read_plan import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.rules import resolve_layouts, select_tensors
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
 from reshard_svc.runtime.comm import Comm
@@ -236,15 +235,10 @@ class Conversion:
             out = plan_hf(self.index, self.dtypes, world, self.shard_cap)
         wanted, where = target_bands(out, self.index, self.budget)
         warn_if_over_budget(self.index, wanted, self.budget)
-        strategies = ("exchange", "direct") if self.strategy == "auto" else (self.strategy,)
-        plans = {s: plan_reads(self.index, wanted, world, self.budget, strategy=s)
-                 for s in strategies}  # fmt: skip
-        chosen = (
-            choose_strategy(plans, self.storage.latency_s, self.storage.bandwidth)
-            if len(plans) > 1
-            else self.strategy
+        plan = choose_plan(
+            self.index, wanted, world, self.budget, self.strategy, StorageCost.of(self.storage)
         )
-        plan = plans[chosen]
+        chosen = plan.strategy
         logger.info("convert %s -> %s: %s strategy, %d waves", self.src, self.dst, chosen,
                     len(plan.waves))  # fmt: skip
         return out, plan, where, chosen

@@ -18,7 +18,14 @@ import torch
 
 from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
 from reshard_svc.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
-from reshard_svc.read_plan import Part, ReadPlan, Wave, plan_reads, warn_if_over_budget
+from reshard_svc.read_plan import (
+    Part,
+    ReadPlan,
+    StorageCost,
+    Wave,
+    choose_plan,
+    warn_if_over_budget,
+)
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
@@ -39,6 +46,7 @@ class LoadStats:
     bytes_total: int  # size of the loaded tensors in the checkpoint
     waves: int
     bytes_planned: int = 0  # the needed bytes this rank was planned to read
+    strategy: str = ""  # the read strategy that ran (``auto`` picks one)
 
 
 def open_shared(
@@ -93,7 +101,7 @@ def load(
     max_memory: int = DEFAULT_MAX_MEMORY,
     storage_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
-    strategy: str = "exchange",
+    strategy: str = "auto",
 ) -> LoadStats:
     """Load a checkpoint into ``state_dict`` in place, whatever the layouts on either side.
 
@@ -101,9 +109,11 @@ def load(
     or present in it but not in ``state_dict``; ``strict=False`` loads the intersection.
     Non-tensor entries are replaced by the stored JSON values.
 
-    ``strategy="exchange"`` (default) reads each needed stored byte once and moves the
-    rest over the process group; ``"direct"`` lets every rank read what it needs itself
-    (faster on a local page cache for replicated targets, more storage traffic).
+    ``strategy="exchange"`` reads each needed stored byte once and moves the rest over
+    the process group; ``"direct"`` lets every rank read what it needs itself (faster on
+    a local page cache for replicated targets, more storage traffic). ``"auto"``
+    (default) plans both and runs the cheaper under the storage's cost model
+    (:class:`~reshard_svc.read_plan.StorageCost`); off local files it keeps read-once.
     """
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)
@@ -162,9 +172,8 @@ def load(
     comm.run_everywhere(f"load({uri!r}): matching keys", prepare)
     gather_holders(placed, comm)
     warn_if_over_budget(index, placed, max_memory)
-    plan = plan_reads(
-        index, {n: p.boxes for n, p in placed.items()}, comm.world, max_memory, strategy=strategy
-    )
+    wanted = {n: p.boxes for n, p in placed.items()}
+    plan = choose_plan(index, wanted, comm.world, max_memory, strategy, StorageCost.of(storage))
     dtypes = {n: m.dtype for n, m in index.tensors.items()}
     with torch.no_grad():
         read = execute(
@@ -172,7 +181,8 @@ def load(
             blocks=index.block_tables(),
         )  # fmt: skip
     planned = sum(r.nbytes for w in plan.waves for r in w.reads if r.reader == comm.rank)
-    return LoadStats(read, sum(index.tensors[n].nbytes for n in placed), len(plan.waves), planned)
+    total = sum(index.tensors[n].nbytes for n in placed)
+    return LoadStats(read, total, len(plan.waves), planned, plan.strategy)
 
 
 class _IntoStateDict:

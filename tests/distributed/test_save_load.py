@@ -40,6 +40,11 @@ def test_save_tp4_load_into_other_layouts_and_world_sizes(tmp_path):
     res2 = run(workloads.load_only, 2, path, [2])
     assert all(r["bad"] == [] for r in res2.values())
     assert sum(r["bytes_planned"] for r in res2.values()) == res2[0]["bytes_total"]
+    # strategy="auto" (the default) picks one of the two by the cost model; same values.
+    res_auto = run(workloads.load_only, 2, path, [2], "auto")
+    assert all(r["bad"] == [] for r in res_auto.values())
+    assert {r["strategy"] for r in res_auto.values()} <= {"exchange", "direct"}
+    assert len({r["strategy"] for r in res_auto.values()}) == 1  # every rank ran the same
     # strategy="direct": every rank reads what it needs itself; same values.
     res3 = run(workloads.load_direct, 2, path, [2])
     assert all(r["bad"] == [] for r in res3.values())

@@ -135,7 +135,7 @@ def save_then_load(path: str, save_mesh, load_meshes) -> list:
     out = []
     for i, mesh in enumerate(load_meshes):
         target = build_state_dict(tuple(mesh), (i + 1) % 2, fill=False)
-        stats = reshard_svc.load(target, path, max_memory=1024)
+        stats = reshard_svc.load(target, path, max_memory=1024, strategy="exchange")
         out.append(
             {
                 "bad": mismatches(target),
@@ -150,12 +150,13 @@ def save_then_load(path: str, save_mesh, load_meshes) -> list:
     return out
 
 
-def load_only(path: str, mesh) -> dict:
+def load_only(path: str, mesh, strategy: str = "exchange") -> dict:
     import reshard_svc
 
     target = build_state_dict(tuple(mesh), 1, fill=False)
-    stats = reshard_svc.load(target, path)
+    stats = reshard_svc.load(target, path, strategy=strategy)
     return {
+        "strategy": stats.strategy,
         "bad": mismatches(target),
         "bytes_read": stats.bytes_read,
         "bytes_planned": stats.bytes_planned,

@@ -147,3 +147,51 @@ def test_waves_stay_within_the_budget(problem):
                 use[reads[p.read].reader] += p.nbytes
         bands = {r.box.offsets[0] // step if r.box.ndim else 0 for r in w.reads}
         assert max(use) <= budget or len(bands) == 1, (max(use), budget, bands)
+
+
+def _replicated_problem():
+    shape = (4096, 1024)  # 16 MiB: bytes, not requests, decide
+    src = Layout.parse("tp=4", "S(0)")
+    dst = Layout.parse("dp=2", "R")
+    meta = stored("t", shape, src)
+    index = CheckpointIndex(tensors={"t": meta}, files={})
+    wanted = {"t": [(it.box, it.holders) for it in dst.write_items(shape, ISZ)]}
+    return index, wanted
+
+
+def test_auto_keeps_read_once_off_local_files_and_picks_direct_on_a_page_cache():
+    from reshard_svc.read_plan import StorageCost, choose_plan
+
+    index, wanted = _replicated_problem()
+    total = 4096 * 1024 * ISZ
+    remote = StorageCost(latency_s=3e-2, bandwidth=5e8, local=False)
+    plan = choose_plan(index, wanted, 2, 1 << 20, "auto", remote)
+    assert plan.strategy == "exchange" and sum(plan.bytes_read()) == total
+    # Even a remote store that claims to be fast keeps read-once: requests cost money.
+    fast_remote = StorageCost(latency_s=1e-6, bandwidth=1e12, local=False)
+    assert choose_plan(index, wanted, 2, 1 << 20, "auto", fast_remote).strategy == "exchange"
+    local = StorageCost(latency_s=5e-5, bandwidth=3e9, local=True)
+    plan = choose_plan(index, wanted, 2, 1 << 20, "auto", local)
+    assert plan.strategy == "direct" and plan.bytes_exchanged() == 0
+    # a slow exchange makes direct win; a slow local disk makes exchange win
+    slow_disk = StorageCost(latency_s=5e-5, bandwidth=1e6, exchange_bandwidth=1e12, local=True)
+    assert choose_plan(index, wanted, 2, 1 << 20, "auto", slow_disk).strategy == "exchange"
+
+
+def test_cost_settings_come_from_the_environment(monkeypatch):
+    import pytest
+
+    from reshard_svc.errors import UsageError
+    from reshard_svc.read_plan import StorageCost
+    from reshard_svc.storage import open_storage
+
+    storage = open_storage("memory://cost-settings")
+    assert StorageCost.of(storage).local is False
+    monkeypatch.setenv("RESHARD_STORAGE_BANDWIDTH", "2e9")
+    monkeypatch.setenv("RESHARD_EXCHANGE_BANDWIDTH", "1e10")
+    cost = StorageCost.of(storage)
+    assert cost.bandwidth == 2e9 and cost.exchange_bandwidth == 1e10
+    assert cost.latency_s == storage.latency_s
+    monkeypatch.setenv("RESHARD_STORAGE_LATENCY_S", "fast")
+    with pytest.raises(UsageError, match="RESHARD_STORAGE_LATENCY_S"):
+        StorageCost.of(storage)
