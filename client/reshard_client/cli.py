@@ -6,6 +6,7 @@ Local commands (``inspect``, ``verify``) call reshard_svc directly. Exit codes: 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -276,15 +277,31 @@ def convert(
                         warnings.echo()
                         time.sleep(0.2)
                     warnings.echo()
-                except KeyboardInterrupt:  # the workers got the SIGINT too; let them abort
+                except KeyboardInterrupt:
+                    # torchrun stops its workers on SIGINT (a terminal sends it to the
+                    # whole group; a `kill -INT` of this process alone does not).
+                    import signal
+
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGINT)
                     try:
                         proc.wait(30)
                     except subprocess.TimeoutExpired:
                         proc.kill()
-                    err.print(
-                        f"[bold red]error:[/] interrupted (worker logs: {log_path})",
-                        highlight=False,
-                    )
+                        proc.wait()
+                    if _show(bar, task, progress_file).get("event") == "done":
+                        # the commit landed before the workers stopped: say so plainly
+                        err.print(
+                            f"[bold red]error:[/] interrupted after the commit: {dst} is "
+                            "complete (reshard verify checks it)",
+                            highlight=False,
+                        )
+                    else:
+                        err.print(
+                            f"[bold red]error:[/] interrupted; nothing was committed to {dst} "
+                            f"(worker logs: {log_path})",
+                            highlight=False,
+                        )
                     raise typer.Exit(130) from None
             code = proc.returncode
         last = _show(bar, task, progress_file)
