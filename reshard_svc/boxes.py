@@ -1,4 +1,4 @@
-"""Box intersection and overlap planning between two chunk lists of one tensor.
+"""Boxes of a global tensor, and overlap planning between two chunk lists of one tensor.
 
 :func:`overlaps` finds every non-empty intersection between source boxes ``S`` and target
 boxes ``T`` with a per-dimension interval sweep: group both sides by their interval on dim
@@ -10,13 +10,80 @@ O((|S|+|T|) log(|S|+|T|) + output), never the |S|·|T| of all pairs.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reshard_svc.errors import InconsistentIndexError
-from reshard_svc.layout import Box
+from reshard_svc.errors import InconsistentIndexError, LayoutError
 
-__all__ = ["Overlap", "check_tiling", "overlaps"]
+__all__ = ["Box", "Overlap", "check_tiling", "overlaps"]
+
+
+@dataclass(frozen=True, order=True)
+class Box:
+    """A hyper-rectangle of a global tensor: ``offsets`` and ``sizes`` per dim."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        if len(self.offsets) != len(self.sizes):
+            raise LayoutError(f"box offsets {self.offsets} and sizes {self.sizes} differ in length")
+
+    @classmethod
+    def trusted(cls, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
+        """A box from tuples of ints of equal length that the caller computed (no checks):
+        the planners build hundreds of thousands of them."""
+        box = object.__new__(cls)
+        object.__setattr__(box, "offsets", offsets)
+        object.__setattr__(box, "sizes", sizes)
+        return box
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def is_empty(self) -> bool:
+        return any(s == 0 for s in self.sizes)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common part of two boxes, or None when it is empty."""
+        offs = []
+        sizes = []
+        for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            lo = max(a, b)
+            hi = min(a + sa, b + sb)
+            if hi <= lo:
+                return None
+            offs.append(lo)
+            sizes.append(hi - lo)
+        return Box.trusted(tuple(offs), tuple(sizes))
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            a <= b and b + sb <= a + sa
+            for a, sa, b, sb in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box with offsets measured from ``outer``'s corner."""
+        return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
+
+    def slices_in(self, outer: Box) -> tuple[slice, ...]:
+        """Index of this box inside a tensor that holds exactly ``outer``."""
+        return tuple(
+            slice(i - o, i - o + s) for o, i, s in zip(outer.offsets, self.offsets, self.sizes)
+        )
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes)}
 
 
 @dataclass(frozen=True)

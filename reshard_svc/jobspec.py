@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard_svc.errors import UsageError
+from reshard_svc.mesh import MAX_MESH_SIZE
 
 __all__ = [
     "CHECKSUMS",
@@ -57,7 +58,6 @@ DTYPES = {
     "fp64": ("fp64", "float64", "double"),
 }
 EVENT_KINDS = ("progress", "done", "error")
-MAX_MESH_SIZE = 1 << 20
 MAX_WORKERS = 1 << 16
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]\+?(\d+))?\s*([A-Za-z]*)\s*$")
