@@ -147,3 +147,25 @@ def test_a_lost_server_never_blocks_the_worker_for_long():
     rep.close()
     assert time.monotonic() - started < 15
     assert rep.posted == 0 and rep.dropped == 1
+
+
+def test_the_library_imports_nothing_from_the_server_or_the_client():
+    """The job contract lives in ``reshard_svc``; the server and clients depend on it, never
+    the other way round (a worker image needs only the library)."""
+    import ast
+    from pathlib import Path
+
+    import reshard_svc
+
+    root = Path(reshard_svc.__file__).parent
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            bad += [f"{path.relative_to(root)}: {n}" for n in names
+                    if n.split(".")[0] in ("reshard_server", "reshard_client")]  # fmt: skip
+    assert not bad, bad
