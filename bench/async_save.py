@@ -86,6 +86,7 @@ def main() -> None:
                         __file__,
                         ["--size", args.size, "--dir", args.dir, "--system", system],
                         results,
+                        attempts=2 if system == "dcp" else 1,
                     )
                 )
     finally:
