@@ -1,12 +1,17 @@
 """Plan a Llama-405B-shaped reshard, (dp=64, tp=8) -> (dp=32, tp=16), and time it.
 
-Compares reshard_svc's global overlap planner (every target rank's pieces at once) with
-torch DCP's ``create_read_items_for_chunk_list`` on the same chunks, in the same run.
-torch plans one target rank at a time; we time a sample of ranks and extrapolate.
+Times the whole plan that ``load`` and ``convert`` compute for all 512 target ranks
+(``read_plan.choose_plan``: every read with its file, byte range and reader, every piece
+each rank sends and receives, the waves under the default 512 MiB budget), against torch
+DCP's ``create_read_items_for_chunk_list`` on the same chunks in the same run. torch plans
+one target rank at a time; we time a sample of ranks and extrapolate to all of them.
 
-    python bench/plan.py [--torch-ranks 4] [--layers 126]
+Also prints the plan's quality at 64 and 512 workers (max/mean bytes read and sent per
+worker), planning time at three model sizes, and a repeated plan (served by the cache).
 
-Prints one JSON object.
+    python bench/plan.py [--torch-ranks 4] [--layers 126] [--runs 3]
+
+Prints JSON lines; the last one is the summary.
 """
 
 from __future__ import annotations
@@ -14,14 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 
 import torch
 
-from reshard_svc.boxes import overlaps
+from reshard_svc.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Layout
+from reshard_svc.read_plan import _CACHE, StorageCost, choose_plan
 
 LAYERS, H, F, V, KV = 126, 16384, 53248, 128256, 1024
+BUDGET = 512 * 1024 * 1024  # load's default max_memory
+LOCAL = StorageCost(latency_s=5e-5, bandwidth=3e9, local=True)
 
 
 def llama405b(layers: int = LAYERS) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -53,29 +62,46 @@ def layouts(dp: int, tp: int) -> dict[str, Layout]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--torch-ranks", type=int, default=4, help="target ranks to time torch on")
-    ap.add_argument("--layers", type=int, default=LAYERS, help="fewer for a smoke run")
-    args = ap.parse_args()
+def saved_index(model: dict, src: dict[str, Layout]) -> CheckpointIndex:
+    """The index ``save`` writes at the source layout: one file per writer rank, bf16."""
+    ends: dict[int, int] = {}
+    tensors = {}
+    for name, (shape, kind) in model.items():
+        chunks = []
+        for it in src[kind].write_items(shape, 2):
+            f = f"shard-{it.writer:05d}.safetensors"
+            begin = ends.get(it.writer, 0)
+            ends[it.writer] = begin + it.box.numel * 2
+            chunks.append(Chunk(it.box, f, begin, ends[it.writer]))
+        tensors[name] = TensorMeta(name, torch.bfloat16, shape, src[kind], tuple(chunks))
+    return CheckpointIndex(tensors=tensors, files={})
 
-    model = llama405b(args.layers)
-    src_l, dst_l = layouts(64, 8), layouts(32, 16)
 
-    t0 = time.perf_counter()
-    src_chunks = {
-        k: [it.box for it in src_l[kind].write_items(s)] for k, (s, kind) in model.items()
+def wanted_at(model: dict, dst: dict[str, Layout]) -> dict:
+    return {n: [(it.box, it.holders) for it in dst[k].write_items(s, 2)]
+            for n, (s, k) in model.items()}  # fmt: skip
+
+
+def time_plan(index, wanted, world: int, strategy: str, runs: int) -> tuple[float, object]:
+    times, plan = [], None
+    for _ in range(runs):
+        _CACHE.clear()
+        t0 = time.perf_counter()
+        plan = choose_plan(index, wanted, world, BUDGET, strategy, LOCAL)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), plan
+
+
+def quality(plan) -> dict[str, float]:
+    read, sent = plan.bytes_read(), plan.bytes_sent()
+    mean_read, mean_sent = sum(read) / len(read), sum(sent) / len(sent)
+    return {
+        "read_max_over_mean": round(max(read) / mean_read, 3) if mean_read else 1.0,
+        "sent_max_over_mean": round(max(sent) / mean_sent, 3) if mean_sent else 1.0,
     }
-    dst_chunks = {
-        k: [it.box for it in dst_l[kind].write_items(s)] for k, (s, kind) in model.items()
-    }
-    t_chunks = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    n_pieces = 0
-    for k in model:
-        n_pieces += len(overlaps(src_chunks[k], dst_chunks[k]))
-    t_overlap = time.perf_counter() - t1
 
+
+def torch_per_rank(index: CheckpointIndex, model: dict, dst: dict, world: int, ranks: int):
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         TensorProperties,
@@ -88,26 +114,64 @@ def main() -> None:
             properties=TensorProperties(dtype=torch.bfloat16),
             size=torch.Size(s),
             chunks=[
-                ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
-                for b in src_chunks[k]
-            ],
+                ChunkStorageMetadata(torch.Size(c.box.offsets), torch.Size(c.box.sizes))
+                for c in index.tensors[k].chunks
+            ],  # fmt: skip
         )
         for k, (s, _) in model.items()
     }
-    world = 32 * 16
-    sample = list(range(0, world, max(1, world // args.torch_ranks)))[: args.torch_ranks]
-    torch_items = 0
-    t2 = time.perf_counter()
+    sample = list(range(0, world, max(1, world // ranks)))[:ranks]
+    items = 0
+    t0 = time.perf_counter()
     for rank in sample:
         for k, (s, kind) in model.items():
-            local = [
-                ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
-                for b in dst_l[kind].rank_boxes(s, rank)
-            ]
-            torch_items += len(create_read_items_for_chunk_list(k, md[k], local))
-    t_torch = time.perf_counter() - t2
-    per_rank = t_torch / len(sample)
+            local = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
+                     for b in dst[kind].rank_boxes(s, rank)]  # fmt: skip
+            items += len(create_read_items_for_chunk_list(k, md[k], local))
+    return (time.perf_counter() - t0) / len(sample), len(sample), items
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--torch-ranks", type=int, default=4, help="target ranks to time torch on")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="fewer for a smoke run")
+    ap.add_argument("--runs", type=int, default=3, help="timed plans per case (median)")
+    args = ap.parse_args()
+
+    src = layouts(64, 8)
+    model = llama405b(args.layers)
+    index = saved_index(model, src)
+    world = 32 * 16
+    dst = layouts(32, 16)
+    wanted = wanted_at(model, dst)
+    chunks = sum(len(t.chunks) for t in index.tensors.values())
+
+    ours, plan = time_plan(index, wanted, world, "auto", args.runs)
+    t0 = time.perf_counter()
+    again = choose_plan(index, wanted, world, BUDGET, "auto", LOCAL)
+    cached_s = time.perf_counter() - t0
+    if again is not plan:
+        raise SystemExit("a repeated plan was not served from the cache")
+    exch, plan_x = time_plan(index, wanted, world, "exchange", args.runs)
+
+    rows = []
+    for workers, (dp, tp) in ((64, (4, 16)), (512, (32, 16))):
+        w = wanted_at(model, layouts(dp, tp))
+        q = quality(choose_plan(index, w, workers, BUDGET, "exchange", LOCAL))
+        rows.append({"bench": "plan", "case": f"quality, exchange, {workers} workers",
+                     "target": f"dp={dp},tp={tp}", **q})  # fmt: skip
+    scaling = []
+    for layers in sorted({max(1, args.layers // 4), max(1, args.layers // 2), args.layers}):
+        m = llama405b(layers)
+        ix, wt = saved_index(m, src), wanted_at(m, dst)
+        s, _ = time_plan(ix, wt, world, "auto", args.runs)
+        n = sum(len(t.chunks) for t in ix.tensors.values())
+        scaling.append({"layers": layers, "source_chunks": n, "plan_s": round(s, 3),
+                        "us_per_chunk": round(s / n * 1e6, 2)})  # fmt: skip
+    per_rank, timed, items = torch_per_rank(index, model, dst, world, args.torch_ranks)
+    for row in rows:
+        print(json.dumps(row))
+    print(json.dumps({"bench": "plan", "case": "scaling (auto, 512 workers)", "sizes": scaling}))
     out = {
         "bench": "plan",
         "model": "llama-405b-shaped",
@@ -115,17 +179,20 @@ def main() -> None:
         "source": "dp=64,tp=8",
         "target": "dp=32,tp=16",
         "tensors": len(model),
-        "source_chunks": sum(len(v) for v in src_chunks.values()),
-        "target_chunks": sum(len(v) for v in dst_chunks.values()),
-        "intersections": n_pieces,
-        "ours_chunks_s": round(t_chunks, 3),
-        "ours_overlap_s": round(t_overlap, 3),
-        "ours_total_s": round(t_chunks + t_overlap, 3),
-        "torch_ranks_timed": len(sample),
-        "torch_read_items_on_timed_ranks": torch_items,
+        "source_chunks": chunks,
+        "runs": args.runs,
+        "strategy_chosen": plan.strategy,
+        "reads": plan.reads_count(),
+        "waves": len(plan.waves),
+        "ours_total_s": round(ours, 3),
+        "ours_exchange_only_s": round(exch, 3),
+        "ours_repeat_cached_s": round(cached_s, 4),
+        "torch_ranks_timed": timed,
+        "torch_read_items_on_timed_ranks": items,
         "torch_per_rank_s": round(per_rank, 4),
         "torch_all_ranks_extrapolated_s": round(per_rank * world, 2),
-        "speedup_vs_torch_all_ranks": round(per_rank * world / (t_chunks + t_overlap), 1),
+        "speedup_vs_torch_all_ranks": round(per_rank * world / ours, 1),
+        **{f"exchange_{k}": v for k, v in quality(plan_x).items()},
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

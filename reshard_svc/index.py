@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,11 @@ class Chunk:
         return out
 
 
+_ENCODING = operator.attrgetter("encoding")
+_RAW_SIG = operator.attrgetter("box.offsets", "box.sizes", "encoding")
+_PLACE = operator.attrgetter("file", "begin")
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str
@@ -90,6 +96,21 @@ class TensorMeta:
     shape: tuple[int, ...]
     layout: Layout | None
     chunks: tuple[Chunk, ...]
+    #: What a read plan depends on, built once with the index (a plan is one pass over
+    #: these, not over the Chunk objects): per chunk (offsets, sizes, encoding) — plus the
+    #: stored length for encoded chunks, which are read whole — and (file, begin).
+    plan_chunks: tuple[Any, ...] = field(init=False, repr=False, compare=False)
+    plan_places: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        cs = self.chunks
+        sig: tuple[Any, ...]
+        if set(map(_ENCODING, cs)) == {"raw"}:
+            sig = tuple(map(_RAW_SIG, cs))
+        else:
+            sig = tuple((*_RAW_SIG(c), c.end - c.begin) for c in cs)
+        object.__setattr__(self, "plan_chunks", sig)
+        object.__setattr__(self, "plan_places", tuple(map(_PLACE, cs)))
 
     @property
     def itemsize(self) -> int:

@@ -325,10 +325,9 @@ def execute(
     """
     me = comm.rank
     total = plan.bytes_total
-    tensors_total = len({t.tensor for t in plan.targets})
+    tensors_total = plan.tensor_count
     done = tensors_done = 0
     bytes_read = 0
-    tensors = {r.id: r.tensor for w in plan.waves for r in w.reads}
     # A failure in the destination is held until the next agreement point, so every
     # rank fails together instead of leaving peers blocked in all_to_all.
     pending: list[BaseException] = []
@@ -345,10 +344,11 @@ def execute(
         return reader.read(mine, parts)
 
     for i, wave in enumerate(plan.waves):
-        readers = {r.id: r for r in wave.reads}
-        mine = [r for r in wave.reads if r.reader == me]
+        wave_reads, wave_parts = wave.reads, wave.parts  # built from the templates once
+        readers = {r.id: r for r in wave_reads}
+        mine = [r for r in wave_reads if r.reader == me]
         parts_of: dict[int, list[Part]] = {}
-        for p in wave.parts:
+        for p in wave_parts:
             if readers[p.read].reader == me:
                 parts_of.setdefault(p.read, []).append(p)
         reader.direct.clear()
@@ -364,7 +364,7 @@ def execute(
             r = readers[p.read]
             return bands[r.id][p.box.slices_in(r.box)]
 
-        crossing = [p for p in wave.parts if readers[p.read].reader != p.dest]
+        crossing = [p for p in wave_parts if readers[p.read].reader != p.dest]
         if crossing and comm.world > 1:
             send_splits = [0] * comm.world
             recv_splits = [0] * comm.world
@@ -378,7 +378,7 @@ def execute(
             off = 0
             for p in crossing:
                 if readers[p.read].reader == me:
-                    slot = send[off : off + p.nbytes].view(dtypes[tensors[p.read]])
+                    slot = send[off : off + p.nbytes].view(dtypes[readers[p.read].tensor])
                     slot.view(p.box.sizes).copy_(piece(p))
                     off += _align(p.nbytes)
             recv = comm.all_to_all(send, send_splits, recv_splits).cpu()
@@ -386,20 +386,20 @@ def execute(
         else:
             recv = torch.empty(0, dtype=torch.uint8)
         try:
-            for p in wave.parts:
+            for p in wave_parts:
                 if p.dest == me and readers[p.read].reader == me and p not in reader.direct:
                     land(p, piece(p))
             off = 0
             for p in crossing:
                 if p.dest == me:
-                    data = recv[off : off + p.nbytes].view(dtypes[tensors[p.read]])
+                    data = recv[off : off + p.nbytes].view(dtypes[readers[p.read].tensor])
                     land(p, data.view(p.box.sizes))
                     off += _align(p.nbytes)
             del recv, bands, piece
             dest.wave_done(wave)
         except Exception as e:  # surfaced on every rank at the next agreement
             pending.append(e)
-        done += sum(p.nbytes for p in wave.parts)
+        done += sum(p.nbytes for p in wave_parts)
         tensors_done += wave.tensors_done
         if progress is not None:
             progress(ProgressInfo(done, total, tensors_done, tensors_total))

@@ -180,7 +180,7 @@ def load(
             plan, storage, dtypes, comm, _IntoStateDict(plan, placed), progress,
             blocks=index.block_tables(),
         )  # fmt: skip
-    planned = sum(r.nbytes for w in plan.waves for r in w.reads if r.reader == comm.rank)
+    planned = plan.bytes_read()[comm.rank]
     total = sum(index.tensors[n].nbytes for n in placed)
     return LoadStats(read, total, len(plan.waves), planned, plan.strategy)
 

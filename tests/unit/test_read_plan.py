@@ -7,6 +7,10 @@ source and target layouts (strided shards and uneven splits included) and budget
   between ranks;
 * each wave stays within the per-rank budget, unless it is a single row band that alone
   exceeds it (a row wider than a quarter of the budget).
+
+Each problem has 1-3 tensors of the same shape and layouts, stored in different files at
+different offsets: they share one plan template, so these also check that a template is
+placed at each tensor's own chunks.
 """
 
 from __future__ import annotations
@@ -20,19 +24,19 @@ from hypothesis import strategies as st
 from reshard_svc.boxes import check_tiling
 from reshard_svc.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Box, Layout
-from reshard_svc.read_plan import ReadPlan, band_limit, plan_reads, row_step
+from reshard_svc.read_plan import band_limit, plan_reads, row_step
 from tests.unit.test_layout import cases
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ISZ = 4  # float32
 
 
-def stored(name: str, shape: tuple[int, ...], layout: Layout) -> TensorMeta:
+def stored(name: str, shape: tuple[int, ...], layout: Layout, at: int = 64) -> TensorMeta:
     """The tensor as ``save`` stores it: one file per write item, bytes row-major."""
     chunks = []
     for k, item in enumerate(layout.write_items(shape, ISZ)):
         n = item.box.numel * ISZ
-        chunks.append(Chunk(item.box, f"{name}-{k}.safetensors", 64, 64 + n))
+        chunks.append(Chunk(item.box, f"{name}-{k}.safetensors", at, at + n))
     return TensorMeta(name, torch.float32, shape, layout, tuple(chunks))
 
 
@@ -44,7 +48,8 @@ def problems(draw):
     total = max(1, math.prod(shape) * ISZ)
     budget = draw(st.integers(1, 4 * total + 64))
     strategy = draw(st.sampled_from(["exchange", "direct"]))
-    return shape, src, dst, budget, strategy
+    copies = draw(st.integers(1, 3))
+    return shape, src, dst, budget, strategy, copies
 
 
 @st.composite
@@ -67,10 +72,12 @@ def cases_for(draw, shape: tuple[int, ...]):
     return Layout(Mesh(mesh), tuple(placements))
 
 
-def plan_for(shape, src, dst, budget, strategy) -> tuple[CheckpointIndex, ReadPlan, dict]:
-    meta = stored("t", shape, src)
-    index = CheckpointIndex(tensors={"t": meta}, files={})
-    wanted = {"t": [(it.box, it.holders) for it in dst.write_items(shape, ISZ)]}
+def plan_for(shape, src, dst, budget, strategy, copies=1):
+    names = [f"t{i}" for i in range(copies)]
+    tensors = {n: stored(n, shape, src, at=64 + 8 * i) for i, n in enumerate(names)}
+    index = CheckpointIndex(tensors=tensors, files={})
+    boxes = [(it.box, it.holders) for it in dst.write_items(shape, ISZ)]
+    wanted = dict.fromkeys(names, boxes)
     plan = plan_reads(index, wanted, dst.mesh.size, budget, strategy=strategy)
     return index, plan, wanted
 
@@ -78,17 +85,18 @@ def plan_for(shape, src, dst, budget, strategy) -> tuple[CheckpointIndex, ReadPl
 @EXAMPLES
 @given(problems())
 def test_every_target_byte_reaches_each_holder_once(problem):
-    shape, src, dst, budget, strategy = problem
-    _, plan, wanted = plan_for(shape, src, dst, budget, strategy)
-    want = {(b, h) for b, hs in wanted["t"] if not b.is_empty for h in hs}
-    got: dict[tuple[Box, int], list[Box]] = {}
+    _, plan, wanted = plan_for(*problem)
+    want = {(n, b, h) for n, bs in wanted.items() for b, hs in bs if not b.is_empty for h in hs}
+    got: dict[tuple[str, Box, int], list[Box]] = {}
+    reads = {r.id: r for w in plan.waves for r in w.reads}
     for w in plan.waves:
         for p in w.parts:
             t = plan.targets[p.target]
             assert t.box.contains(p.box) and p.dest in t.holders
-            got.setdefault((t.box, p.dest), []).append(p.box)
+            assert reads[p.read].tensor == t.tensor
+            got.setdefault((t.tensor, t.box, p.dest), []).append(p.box)
     assert set(got) == want
-    for (box, _), pieces in got.items():
+    for (_, box, _), pieces in got.items():
         local = [Box(tuple(o - b for o, b in zip(p.offsets, box.offsets)), p.sizes)
                  for p in pieces]  # fmt: skip
         check_tiling(box.sizes, local, "target box")
@@ -97,9 +105,8 @@ def test_every_target_byte_reaches_each_holder_once(problem):
 @EXAMPLES
 @given(problems())
 def test_parts_come_from_their_reads_at_the_right_offsets(problem):
-    shape, src, dst, budget, strategy = problem
-    index, plan, _ = plan_for(shape, src, dst, budget, strategy)
-    chunks = {c.file: c for c in index.tensors["t"].chunks}
+    index, plan, _ = plan_for(*problem)
+    chunks = {c.file: c for t in index.tensors.values() for c in t.chunks}
     reads = {r.id: r for w in plan.waves for r in w.reads}
     for w in plan.waves:
         wave_reads = {r.id for r in w.reads}
@@ -107,8 +114,10 @@ def test_parts_come_from_their_reads_at_the_right_offsets(problem):
             assert p.read in wave_reads, "a part's read is in another wave"
             assert reads[p.read].box.contains(p.box)
             assert p.nbytes == p.box.numel * ISZ
+    assert sorted(reads) == list(range(plan.reads_count())), "read ids are 0..n-1"
     for r in reads.values():
         c = chunks[r.file]
+        assert r.file.startswith(r.tensor + "-")
         assert c.box.contains(r.box)
         # a read is whole rows of its chunk: one contiguous byte range
         assert r.box.offsets[1:] == c.box.offsets[1:] and r.box.sizes[1:] == c.box.sizes[1:]
@@ -120,8 +129,8 @@ def test_parts_come_from_their_reads_at_the_right_offsets(problem):
 @EXAMPLES
 @given(problems())
 def test_exchange_reads_each_byte_once_and_direct_moves_nothing(problem):
-    shape, src, dst, budget, strategy = problem
-    _, plan, _ = plan_for(shape, src, dst, budget, strategy)
+    strategy = problem[4]
+    _, plan, _ = plan_for(*problem)
     if strategy == "direct":
         assert plan.bytes_exchanged() == 0
         return
@@ -133,8 +142,8 @@ def test_exchange_reads_each_byte_once_and_direct_moves_nothing(problem):
 @EXAMPLES
 @given(problems())
 def test_waves_stay_within_the_budget(problem):
-    shape, src, dst, budget, strategy = problem
-    _, plan, _ = plan_for(shape, src, dst, budget, strategy)
+    shape, budget = problem[0], problem[3]
+    _, plan, _ = plan_for(*problem)
     step = row_step(shape, ISZ, band_limit(budget))
     reads = {r.id: r for w in plan.waves for r in w.reads}
     for w in plan.waves:
@@ -145,8 +154,36 @@ def test_waves_stay_within_the_budget(problem):
             use[p.dest] += p.nbytes
             if p.dest != reads[p.read].reader:
                 use[reads[p.read].reader] += p.nbytes
-        bands = {r.box.offsets[0] // step if r.box.ndim else 0 for r in w.reads}
+        bands = {(r.tensor, r.box.offsets[0] // step if r.box.ndim else 0) for r in w.reads}
         assert max(use) <= budget or len(bands) == 1, (max(use), budget, bands)
+
+
+def test_tied_reads_spread_over_tensors_that_share_a_template():
+    """Replicated targets: every holder receives a read equally, so tensors that share a
+    template take turns instead of all being read by the same rank."""
+    src, dst = Layout.parse("tp=2", "R"), Layout.parse("dp=4", "R")
+    tensors = {f"n{i}": stored(f"n{i}", (64,), src) for i in range(8)}
+    index = CheckpointIndex(tensors=tensors, files={})
+    wanted = {n: [(it.box, it.holders) for it in dst.write_items((64,), ISZ)] for n in tensors}
+    plan = plan_reads(index, wanted, 4, 1 << 20, strategy="exchange")
+    assert plan.bytes_read() == [2 * 64 * ISZ] * 4
+    assert max(plan.bytes_sent()) == min(plan.bytes_sent()) == 2 * 3 * 64 * ISZ
+
+
+def test_repeated_plans_hit_the_cache():
+    shape, src, dst = (64, 32), Layout.parse("tp=4", "S(0)"), Layout.parse("tp=2", "S(1)")
+    a = plan_for(shape, src, dst, 1 << 16, "exchange", 3)[1]
+    assert plan_for(shape, src, dst, 1 << 16, "exchange", 3)[1] is a
+    assert plan_for(shape, src, dst, 1 << 15, "exchange", 3)[1] is not a
+    # the same chunks at other byte offsets are another plan
+    index, _, wanted = plan_for(shape, src, dst, 1 << 16, "exchange", 3)
+    moved = {n: TensorMeta(m.name, m.dtype, m.shape, m.layout,
+                           tuple(Chunk(c.box, c.file, c.begin + 8, c.end + 8) for c in m.chunks))
+             for n, m in index.tensors.items()}  # fmt: skip
+    b = plan_reads(CheckpointIndex(tensors=moved, files={}), wanted, 2, 1 << 16)
+    assert b is not a and {r.begin for w in b.waves for r in w.reads} != {
+        r.begin for w in a.waves for r in w.reads
+    }
 
 
 def _replicated_problem():

@@ -1,0 +1,234 @@
+"""One tensor's read/exchange plan, relative to its chunk list: a *template*.
+
+A DTensor checkpoint repeats itself: the 126 layers of a Llama-405B have the same seven
+(shape, source layout, target layout) triples, so their plans differ only in which file
+and byte offset each stored chunk sits at. :func:`build_template` plans one tensor in
+chunk-relative terms (chunk index and byte skip instead of file and offset, target index
+within the tensor); :mod:`reshard_svc.read_plan` plans each distinct template once and
+instantiates it per tensor. The rules are those of the module docstring of
+:mod:`reshard_svc.read_plan` (row bands, one reader per stored byte under ``exchange``).
+
+Readers are chosen without any state from other tensors: the holder that receives most of
+a read, then the one that has read least within this tensor, then a rotation by
+``variant``. Tensors that share a template but whose reads have ties (replicated targets)
+take successive variants, so their reads spread over the tied ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard_svc.boxes import overlaps
+from reshard_svc.layout import Box
+
+__all__ = [
+    "TBand",
+    "TPart",
+    "TRead",
+    "Template",
+    "band_limit",
+    "build_template",
+    "row_step",
+    "split_rows",
+]
+
+
+def band_limit(budget: int) -> int:
+    """Bytes of one global row band for a per-rank budget (read + send + recv + target)."""
+    return max(1, budget // 4)
+
+
+def row_step(shape: Sequence[int], itemsize: int, limit: int) -> int:
+    """Rows per global band: as many full-width rows as fit in ``limit`` bytes (>= 1)."""
+    if not shape:
+        return 1
+    row = max(1, math.prod(shape[1:]) * itemsize)
+    return max(1, limit // row)
+
+
+def split_rows(box: Box, step: int) -> list[Box]:
+    """``box`` cut on the global row grid of ``step`` rows (0-dim boxes stay whole)."""
+    if box.ndim == 0 or box.is_empty:
+        return [box]
+    lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
+    cuts = [lo, *range((lo // step + 1) * step, hi, step), hi]
+    rest_o, rest_s = box.offsets[1:], box.sizes[1:]
+    return [Box.trusted((a, *rest_o), (b - a, *rest_s)) for a, b in zip(cuts, cuts[1:])]
+
+
+@dataclass(frozen=True, eq=False)
+class TRead:
+    """A ranged read of rows ``box`` of chunk ``chunk``: ``skip`` bytes past its begin."""
+
+    chunk: int
+    skip: int
+    nbytes: int
+    box: Box
+    reader: int
+
+
+@dataclass(frozen=True, eq=False)
+class TPart:
+    """Region ``box`` of the band's read ``read`` for target ``target`` on rank ``dest``."""
+
+    read: int
+    box: Box
+    target: int
+    dest: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class TBand:
+    """Everything one global row band of the tensor needs; ``use`` is each rank's bytes in
+    flight for it (read buffers, send buffers, receive or target buffers)."""
+
+    reads: tuple[TRead, ...]
+    parts: tuple[TPart, ...]
+    use: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class Template:
+    targets: tuple[tuple[Box, tuple[int, ...]], ...]
+    bands: tuple[TBand, ...]
+    #: the most equally good readers any read had (instances rotate through that many)
+    ties: int
+    read_bytes: np.ndarray  # per rank
+    sent_bytes: np.ndarray  # per rank, to other ranks
+    #: reads before each band (a read's id within the tensor is offset + index)
+    read_offsets: tuple[int, ...]
+    n_reads: int
+    moved: int  # bytes that cross between ranks
+    total: int  # bytes delivered
+
+
+ChunkSig = tuple[Box, str, int]  # box, encoding, stored length
+
+
+def build_template(
+    chunks: Sequence[ChunkSig],
+    targets: Sequence[tuple[Box, tuple[int, ...]]],
+    shape: Sequence[int],
+    itemsize: int,
+    limit: int,
+    world: int,
+    strategy: str,
+    variant: int = 0,
+) -> Template:
+    """Plan one tensor: ``chunks`` as stored, ``targets`` (non-empty boxes, holders)."""
+    step = row_step(shape, itemsize, limit)
+    boxes = [c[0] for c in chunks]
+    by_band: dict[int, list[tuple[int, Box, int]]] = {}
+    for o in overlaps(boxes, [t[0] for t in targets]):
+        box, encoding, _ = chunks[o.src]
+        if encoding != "raw":  # read whole, in one band of its own
+            by_band.setdefault(-1, []).append((o.src, o.box, o.dst))
+            continue
+        for piece in split_rows(o.box, step):
+            key = piece.offsets[0] // step if piece.ndim else 0
+            by_band.setdefault(key, []).append((o.src, piece, o.dst))
+    load = [0] * world
+    bands: list[TBand] = []
+    ties = 1
+    for key in sorted(by_band):
+        per_chunk: dict[int, list[tuple[Box, int]]] = {}
+        for ci, piece, t in by_band[key]:
+            per_chunk.setdefault(ci, []).append((piece, t))
+        reads: list[TRead] = []
+        parts: list[TPart] = []
+        use = np.zeros(world, dtype=np.int64)
+        for ci in sorted(per_chunk):
+            box, encoding, length = chunks[ci]
+            for read_box, rparts in _read_boxes(box, encoding, per_chunk[ci], strategy, targets):
+                if encoding != "raw":
+                    skip, nb = 0, length
+                else:
+                    skip, nb = _byte_offset(box, read_box, itemsize), read_box.numel * itemsize
+                recv: dict[int, int] = {}
+                for inter, _, dests in rparts:
+                    for h in dests:
+                        recv[h] = recv.get(h, 0) + inter.numel * itemsize
+                reader = _reader(recv, load, variant)
+                ties = max(ties, sum(1 for v in recv.values() if v == recv[reader]))
+                load[reader] += nb
+                use[reader] += nb
+                ri = len(reads)
+                reads.append(TRead(ci, skip, nb, read_box, reader))
+                for inter, t, dests in rparts:
+                    n = inter.numel * itemsize
+                    for h in dests:
+                        parts.append(TPart(ri, inter, t, h, n))
+                        use[h] += n  # receive buffer or target buffer
+                        if h != reader:
+                            use[reader] += n  # packed send buffer
+        bands.append(TBand(tuple(reads), tuple(parts), use))
+    read_bytes = np.zeros(world, dtype=np.int64)
+    sent_bytes = np.zeros(world, dtype=np.int64)
+    offsets = []
+    moved = total = n_reads = 0
+    for band in bands:
+        offsets.append(n_reads)
+        n_reads += len(band.reads)
+        for r in band.reads:
+            read_bytes[r.reader] += r.nbytes
+        for p in band.parts:
+            total += p.nbytes
+            src = band.reads[p.read].reader
+            if p.dest != src:
+                moved += p.nbytes
+                sent_bytes[src] += p.nbytes
+    return Template(tuple(targets), tuple(bands), ties, read_bytes, sent_bytes, tuple(offsets),
+                    n_reads, moved, total)  # fmt: skip
+
+
+def _reader(recv: dict[int, int], load: list[int], variant: int) -> int:
+    """The holder that receives most of a read, then the one that has read least in this
+    tensor; among those still tied, the ``variant``-th (rotating, lowest rank first)."""
+    best = max((v, -load[r]) for r, v in recv.items())
+    tied = sorted(r for r, v in recv.items() if (v, -load[r]) == best)
+    return tied[variant % len(tied)]
+
+
+def _read_boxes(
+    chunk: Box,
+    encoding: str,
+    parts: list[tuple[Box, int]],
+    strategy: str,
+    targets: Sequence[tuple[Box, tuple[int, ...]]],
+) -> list[tuple[Box, list[tuple[Box, int, tuple[int, ...]]]]]:
+    """The reads of one chunk's rows in one band: (read box, [(region, target, dests)]).
+
+    exchange: one read covering every needed row, for all destinations.
+    direct: one read per destination, covering only the rows that destination needs.
+    """
+    if encoding != "raw" or strategy == "exchange":
+        box = chunk if encoding != "raw" else _row_cover(chunk, [b for b, _ in parts])
+        return [(box, [(b, t, targets[t][1]) for b, t in parts])]
+    per_dest: dict[int, list[tuple[Box, int]]] = {}
+    for b, t in parts:
+        for h in targets[t][1]:
+            per_dest.setdefault(h, []).append((b, t))
+    return [
+        (_row_cover(chunk, [b for b, _ in ps]), [(b, t, (h,)) for b, t in ps])
+        for h, ps in sorted(per_dest.items())
+    ]
+
+
+def _row_cover(chunk: Box, boxes: list[Box]) -> Box:
+    """The rows of ``chunk`` (full width) spanning ``boxes``: one contiguous byte range."""
+    if chunk.ndim == 0:
+        return chunk
+    lo = min(b.offsets[0] for b in boxes)
+    hi = max(b.offsets[0] + b.sizes[0] for b in boxes)
+    return Box.trusted((lo, *chunk.offsets[1:]), (hi - lo, *chunk.sizes[1:]))
+
+
+def _byte_offset(chunk: Box, band: Box, isz: int) -> int:
+    if chunk.ndim == 0:
+        return 0
+    return (band.offsets[0] - chunk.offsets[0]) * math.prod(chunk.sizes[1:]) * isz
