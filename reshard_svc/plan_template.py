@@ -122,51 +122,72 @@ def build_template(
 ) -> Template:
     """Plan one tensor: ``chunks`` as stored, ``targets`` (non-empty boxes, holders)."""
     step = row_step(shape, itemsize, limit)
-    boxes = [c[0] for c in chunks]
     by_band: dict[int, list[tuple[int, Box, int]]] = {}
-    for o in overlaps(boxes, [t[0] for t in targets]):
-        box, encoding, _ = chunks[o.src]
-        if encoding != "raw":  # read whole, in one band of its own
+    for o in overlaps([c[0] for c in chunks], [t[0] for t in targets]):
+        if chunks[o.src][1] != "raw":  # read whole, in one band of its own
             by_band.setdefault(-1, []).append((o.src, o.box, o.dst))
             continue
         for piece in split_rows(o.box, step):
             key = piece.offsets[0] // step if piece.ndim else 0
             by_band.setdefault(key, []).append((o.src, piece, o.dst))
-    load = [0] * world
-    bands: list[TBand] = []
-    ties = 1
+    load = [0] * world  # bytes each rank reads, within this tensor
+    bands, ties = [], 1
     for key in sorted(by_band):
-        per_chunk: dict[int, list[tuple[Box, int]]] = {}
-        for ci, piece, t in by_band[key]:
-            per_chunk.setdefault(ci, []).append((piece, t))
-        reads: list[TRead] = []
-        parts: list[TPart] = []
-        use = np.zeros(world, dtype=np.int64)
-        for ci in sorted(per_chunk):
-            box, encoding, length = chunks[ci]
-            for read_box, rparts in _read_boxes(box, encoding, per_chunk[ci], strategy, targets):
-                if encoding != "raw":
-                    skip, nb = 0, length
-                else:
-                    skip, nb = _byte_offset(box, read_box, itemsize), read_box.numel * itemsize
-                recv: dict[int, int] = {}
-                for inter, _, dests in rparts:
-                    for h in dests:
-                        recv[h] = recv.get(h, 0) + inter.numel * itemsize
-                reader = _reader(recv, load, variant)
-                ties = max(ties, sum(1 for v in recv.values() if v == recv[reader]))
-                load[reader] += nb
-                use[reader] += nb
-                ri = len(reads)
-                reads.append(TRead(ci, skip, nb, read_box, reader))
-                for inter, t, dests in rparts:
-                    n = inter.numel * itemsize
-                    for h in dests:
-                        parts.append(TPart(ri, inter, t, h, n))
-                        use[h] += n  # receive buffer or target buffer
-                        if h != reader:
-                            use[reader] += n  # packed send buffer
-        bands.append(TBand(tuple(reads), tuple(parts), use))
+        band, tied = _plan_band(by_band[key], chunks, targets, itemsize, strategy, load, variant)
+        bands.append(band)
+        ties = max(ties, tied)
+    return _summarize(tuple(targets), tuple(bands), ties, world)
+
+
+def _plan_band(
+    pieces: list[tuple[int, Box, int]],
+    chunks: Sequence[ChunkSig],
+    targets: Sequence[tuple[Box, tuple[int, ...]]],
+    itemsize: int,
+    strategy: str,
+    load: list[int],
+    variant: int,
+) -> tuple[TBand, int]:
+    """The reads and parts of one row band (``pieces``: chunk, region, target), and the
+    most equally good readers any of its reads had."""
+    per_chunk: dict[int, list[tuple[Box, int]]] = {}
+    for ci, piece, t in pieces:
+        per_chunk.setdefault(ci, []).append((piece, t))
+    reads: list[TRead] = []
+    parts: list[TPart] = []
+    use = np.zeros(len(load), dtype=np.int64)
+    ties = 1
+    for ci in sorted(per_chunk):
+        box, encoding, length = chunks[ci]
+        for read_box, rparts in _read_boxes(box, encoding, per_chunk[ci], strategy, targets):
+            if encoding != "raw":
+                skip, nb = 0, length
+            else:
+                skip, nb = _byte_offset(box, read_box, itemsize), read_box.numel * itemsize
+            recv: dict[int, int] = {}
+            for inter, _, dests in rparts:
+                for h in dests:
+                    recv[h] = recv.get(h, 0) + inter.numel * itemsize
+            reader = _reader(recv, load, variant)
+            ties = max(ties, sum(1 for v in recv.values() if v == recv[reader]))
+            load[reader] += nb
+            use[reader] += nb
+            ri = len(reads)
+            reads.append(TRead(ci, skip, nb, read_box, reader))
+            for inter, t, dests in rparts:
+                n = inter.numel * itemsize
+                for h in dests:
+                    parts.append(TPart(ri, inter, t, h, n))
+                    use[h] += n  # receive buffer or target buffer
+                    if h != reader:
+                        use[reader] += n  # packed send buffer
+    return TBand(tuple(reads), tuple(parts), use), ties
+
+
+def _summarize(
+    targets: tuple[tuple[Box, tuple[int, ...]], ...], bands: tuple[TBand, ...], ties: int,
+    world: int,
+) -> Template:  # fmt: skip
     read_bytes = np.zeros(world, dtype=np.int64)
     sent_bytes = np.zeros(world, dtype=np.int64)
     offsets = []
@@ -182,8 +203,8 @@ def build_template(
             if p.dest != src:
                 moved += p.nbytes
                 sent_bytes[src] += p.nbytes
-    return Template(tuple(targets), tuple(bands), ties, read_bytes, sent_bytes, tuple(offsets),
-                    n_reads, moved, total)  # fmt: skip
+    return Template(targets, bands, ties, read_bytes, sent_bytes, tuple(offsets), n_reads,
+                    moved, total)  # fmt: skip
 
 
 def _reader(recv: dict[int, int], load: list[int], variant: int) -> int:

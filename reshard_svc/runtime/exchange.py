@@ -299,6 +299,87 @@ class WaveReader:
         return newly
 
 
+@dataclass(frozen=True)
+class _MyWave:
+    """One wave as this rank sees it: its reads, and the parts that cross between ranks
+    (in plan order, the order of the ``all_to_all`` buffers on every rank)."""
+
+    parts: tuple[Part, ...]
+    readers: dict[int, Read]  # read id -> read
+    mine: list[Read]  # the reads this rank performs
+    parts_of: dict[int, list[Part]]  # read id -> its parts, for this rank's reads
+    crossing: list[Part]
+
+    @classmethod
+    def of(cls, wave: Wave, me: int) -> _MyWave:
+        reads, parts = wave.reads, wave.parts  # built from the plan's templates, once
+        readers = {r.id: r for r in reads}
+        parts_of: dict[int, list[Part]] = {}
+        for p in parts:
+            if readers[p.read].reader == me:
+                parts_of.setdefault(p.read, []).append(p)
+        crossing = [p for p in parts if readers[p.read].reader != p.dest]
+        return cls(parts, readers, [r for r in reads if r.reader == me], parts_of, crossing)
+
+    def piece(self, bands: Mapping[int, torch.Tensor], p: Part) -> torch.Tensor:
+        """Part ``p`` inside the band this rank read for it."""
+        r = self.readers[p.read]
+        return bands[r.id][p.box.slices_in(r.box)]
+
+
+def _all_to_all(
+    w: _MyWave, bands: Mapping[int, torch.Tensor], comm: Comm, dtypes: Mapping[str, torch.dtype]
+) -> torch.Tensor:
+    """Send this rank's crossing parts (packed in plan order); return what it receives."""
+    me = comm.rank
+    if not w.crossing or comm.world == 1:
+        return torch.empty(0, dtype=torch.uint8)
+    send_splits = [0] * comm.world
+    recv_splits = [0] * comm.world
+    for p in w.crossing:
+        src = w.readers[p.read].reader
+        if src == me:
+            send_splits[p.dest] += _align(p.nbytes)
+        if p.dest == me:
+            recv_splits[src] += _align(p.nbytes)
+    send = torch.empty(sum(send_splits), dtype=torch.uint8)
+    off = 0
+    for p in w.crossing:
+        if w.readers[p.read].reader == me:
+            slot = send[off : off + p.nbytes].view(dtypes[w.readers[p.read].tensor])
+            slot.view(p.box.sizes).copy_(w.piece(bands, p))
+            off += _align(p.nbytes)
+    return comm.all_to_all(send, send_splits, recv_splits).cpu()
+
+
+def _land(
+    w: _MyWave,
+    bands: Mapping[int, torch.Tensor],
+    recv: torch.Tensor,
+    me: int,
+    dest: Destination,
+    dtypes: Mapping[str, torch.dtype],
+    in_place: set[Part],
+) -> None:
+    """Every part of the wave for this rank into ``dest``: taken as is (``dest.take``) or
+    copied into ``dest.view``; its own reads' parts first (unless read in place), then
+    what it received, in plan order."""
+
+    def land(p: Part, data: torch.Tensor) -> None:
+        if not dest.take(p, data):
+            dest.view(p).copy_(data)
+
+    for p in w.parts:
+        if p.dest == me and w.readers[p.read].reader == me and p not in in_place:
+            land(p, w.piece(bands, p))
+    off = 0
+    for p in w.crossing:
+        if p.dest == me:
+            data = recv[off : off + p.nbytes].view(dtypes[w.readers[p.read].tensor])
+            land(p, data.view(p.box.sizes))
+            off += _align(p.nbytes)
+
+
 def execute(
     plan: ReadPlan,
     storage: Storage,
@@ -334,72 +415,29 @@ def execute(
 
     reader = WaveReader(storage, dtypes, me, dest, blocks or {}, check_in_place)
 
-    def land(p: Part, data: torch.Tensor) -> None:
-        if not dest.take(p, data):
-            dest.view(p).copy_(data)
-
     def read_or_fail(mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         if pending:
             raise pending[0]
         return reader.read(mine, parts)
 
     for i, wave in enumerate(plan.waves):
-        wave_reads, wave_parts = wave.reads, wave.parts  # built from the templates once
-        readers = {r.id: r for r in wave_reads}
-        mine = [r for r in wave_reads if r.reader == me]
-        parts_of: dict[int, list[Part]] = {}
-        for p in wave_parts:
-            if readers[p.read].reader == me:
-                parts_of.setdefault(p.read, []).append(p)
+        w = _MyWave.of(wave, me)
         reader.direct.clear()
         views, _ = comm.run_everywhere(
             f"reading wave {i + 1}/{len(plan.waves)}",
-            functools.partial(read_or_fail, mine, parts_of),
+            functools.partial(read_or_fail, w.mine, w.parts_of),
         )
-        bytes_read += sum(r.nbytes for r in mine if not reader.checked.covers(r))
-        bands = {r.id: v for r, v in zip(mine, views)}
+        bytes_read += sum(r.nbytes for r in w.mine if not reader.checked.covers(r))
+        bands = {r.id: v for r, v in zip(w.mine, views)}
         del views
-
-        def piece(p: Part, readers: dict = readers, bands: dict = bands) -> torch.Tensor:
-            r = readers[p.read]
-            return bands[r.id][p.box.slices_in(r.box)]
-
-        crossing = [p for p in wave_parts if readers[p.read].reader != p.dest]
-        if crossing and comm.world > 1:
-            send_splits = [0] * comm.world
-            recv_splits = [0] * comm.world
-            for p in crossing:
-                src = readers[p.read].reader
-                if src == me:
-                    send_splits[p.dest] += _align(p.nbytes)
-                if p.dest == me:
-                    recv_splits[src] += _align(p.nbytes)
-            send = torch.empty(sum(send_splits), dtype=torch.uint8)
-            off = 0
-            for p in crossing:
-                if readers[p.read].reader == me:
-                    slot = send[off : off + p.nbytes].view(dtypes[readers[p.read].tensor])
-                    slot.view(p.box.sizes).copy_(piece(p))
-                    off += _align(p.nbytes)
-            recv = comm.all_to_all(send, send_splits, recv_splits).cpu()
-            del send
-        else:
-            recv = torch.empty(0, dtype=torch.uint8)
+        recv = _all_to_all(w, bands, comm, dtypes)
         try:
-            for p in wave_parts:
-                if p.dest == me and readers[p.read].reader == me and p not in reader.direct:
-                    land(p, piece(p))
-            off = 0
-            for p in crossing:
-                if p.dest == me:
-                    data = recv[off : off + p.nbytes].view(dtypes[readers[p.read].tensor])
-                    land(p, data.view(p.box.sizes))
-                    off += _align(p.nbytes)
-            del recv, bands, piece
+            _land(w, bands, recv, comm.rank, dest, dtypes, reader.direct)
+            del recv, bands  # buffers go back before the destination flushes
             dest.wave_done(wave)
         except Exception as e:  # surfaced on every rank at the next agreement
             pending.append(e)
-        done += sum(p.nbytes for p in wave_parts)
+        done += sum(p.nbytes for p in w.parts)
         tensors_done += wave.tensors_done
         if progress is not None:
             progress(ProgressInfo(done, total, tensors_done, tensors_total))

@@ -10,7 +10,7 @@ source and target layouts (strided shards and uneven splits included) and budget
 
 Each problem has 1-3 tensors of the same shape and layouts, stored in different files at
 different offsets: they share one plan template, so these also check that a template is
-placed at each tensor's own chunks.
+placed at each tensor's own chunks, and that each tensor is planned as it would be alone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from reshard_svc.boxes import check_tiling
 from reshard_svc.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Box, Layout
-from reshard_svc.read_plan import band_limit, plan_reads, row_step
+from reshard_svc.read_plan import ReadPlan, band_limit, plan_reads, row_step
 from tests.unit.test_layout import cases
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -156,6 +156,29 @@ def test_waves_stay_within_the_budget(problem):
                 use[reads[p.read].reader] += p.nbytes
         bands = {(r.tensor, r.box.offsets[0] // step if r.box.ndim else 0) for r in w.reads}
         assert max(use) <= budget or len(bands) == 1, (max(use), budget, bands)
+
+
+@EXAMPLES
+@given(problems())
+def test_a_shared_template_plans_each_tensor_as_if_alone(problem):
+    """Each tensor of a multi-tensor plan reads the same boxes, at its own file offsets,
+    and delivers the same parts as a plan of that tensor alone (readers may rotate)."""
+    shape, src, dst, budget, strategy, copies = problem
+    index, plan, wanted = plan_for(shape, src, dst, budget, strategy, copies)
+
+    def shape_of(p: ReadPlan, name: str) -> set:
+        reads = {r.id: r for w in p.waves for r in w.reads if r.tensor == name}
+        out: dict[int, set] = {i: set() for i in reads}
+        for w in p.waves:
+            for part in w.parts:
+                if part.read in reads:
+                    out[part.read].add((part.box, part.dest))
+        return {(reads[i].file, reads[i].begin, reads[i].box, frozenset(v)) for i, v in out.items()}
+
+    for name, meta in index.tensors.items():
+        alone = plan_reads(CheckpointIndex(tensors={name: meta}, files={}), {name: wanted[name]},
+                           plan.world, budget, strategy=strategy)  # fmt: skip
+        assert shape_of(plan, name) == shape_of(alone, name), name
 
 
 def test_tied_reads_spread_over_tensors_that_share_a_template():
