@@ -221,9 +221,7 @@ def convert(
 ) -> None:
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
     import os
-    import subprocess
     import tempfile
-    import time
 
     from reshard_svc.errors import ReshardError
     from reshard_svc.jobspec import ConvertSpec
@@ -237,73 +235,14 @@ def convert(
         ).checked()  # fmt: skip
     except ReshardError as e:
         raise _fail(e) from None
+    log_path = ""
     with tempfile.TemporaryDirectory() as tmp, _bar(as_json) as bar:
         task = bar.add_task("converting", total=None, tensors="")
         progress_file = os.path.join(tmp, "progress.jsonl")
         if workers == 1:
-            import logging
-
-            from rich.logging import RichHandler
-
-            from reshard_svc.worker import main as worker_main
-
-            # Log lines print above the progress bar, not through it.
-            logging.basicConfig(
-                level=os.environ.get("LOGLEVEL", "INFO"), format="%(name)s: %(message)s",
-                handlers=[RichHandler(console=err, show_path=False, show_level=False)],
-            )  # fmt: skip
-            try:
-                code = worker_main(spec.to_argv(progress_file=progress_file))
-            except KeyboardInterrupt:
-                err.print("[bold red]error:[/] interrupted", highlight=False)
-                raise typer.Exit(130) from None
+            code = _convert_in_process(spec, progress_file)
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={workers}", "-m", "reshard_svc.worker",
-                   *spec.to_argv(progress_file=progress_file)]  # fmt: skip
-            # torchrun's and the workers' output goes to a log, kept only on failure: the
-            # user sees one error line, not every rank's traceback.
-            log_fd, log_path = tempfile.mkstemp(prefix="reshard-convert-", suffix=".log")
-            with os.fdopen(log_fd, "wb") as log:
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env={**os.environ, "RESHARD_DIE_WITH_PARENT": "1"},
-                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
-                )  # fmt: skip
-                warnings = _WarningTail(log_path)
-                try:
-                    while proc.poll() is None:
-                        _show(bar, task, progress_file)
-                        warnings.echo()
-                        time.sleep(0.2)
-                    warnings.echo()
-                except KeyboardInterrupt:
-                    # torchrun stops its workers on SIGINT (a terminal sends it to the
-                    # whole group; a `kill -INT` of this process alone does not).
-                    import signal
-
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(signal.SIGINT)
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                    if _show(bar, task, progress_file).get("event") == "done":
-                        # the commit landed before the workers stopped: say so plainly
-                        err.print(
-                            f"[bold red]error:[/] interrupted after the commit: {dst} is "
-                            "complete (reshard verify checks it)",
-                            highlight=False,
-                        )
-                    else:
-                        err.print(
-                            f"[bold red]error:[/] interrupted; nothing was committed to {dst} "
-                            f"(worker logs: {log_path})",
-                            highlight=False,
-                        )
-                    raise typer.Exit(130) from None
-            code = proc.returncode
+            code, log_path = _convert_with_torchrun(spec, progress_file, bar, task)
         last = _show(bar, task, progress_file)
     if code != 0 or last.get("event") != "done":
         reason = last.get("error") or f"workers exited with code {code}"
@@ -321,6 +260,80 @@ def convert(
             f"{_size(last['bytes_written'])} written in {last['seconds']} s ({last['strategy']})",
             highlight=False,
         )
+
+
+def _convert_in_process(spec: Any, progress_file: str) -> int:
+    """``--workers 1``: the worker runs in this process, its log lines above the bar."""
+    import logging
+    import os
+
+    from rich.logging import RichHandler
+
+    from reshard_svc.worker import main as worker_main
+
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "INFO"), format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=err, show_path=False, show_level=False)],
+    )  # fmt: skip
+    try:
+        return worker_main(spec.to_argv(progress_file=progress_file))
+    except KeyboardInterrupt:
+        err.print("[bold red]error:[/] interrupted", highlight=False)
+        raise typer.Exit(130) from None
+
+
+def _convert_with_torchrun(spec: Any, progress_file: str, bar: Any, task: Any) -> tuple[int, str]:
+    """``--workers N``: torchrun the workers, show their progress and rank 0's warnings,
+    forward Ctrl-C. torchrun's and the workers' output goes to a log, kept (and named)
+    only on failure: the user sees one error line, not every rank's traceback."""
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={spec.workers}", "-m", "reshard_svc.worker",
+           *spec.to_argv(progress_file=progress_file)]  # fmt: skip
+    log_fd, log_path = tempfile.mkstemp(prefix="reshard-convert-", suffix=".log")
+    with os.fdopen(log_fd, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "RESHARD_DIE_WITH_PARENT": "1"},
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
+        )  # fmt: skip
+        warnings = _WarningTail(log_path)
+        try:
+            while proc.poll() is None:
+                _show(bar, task, progress_file)
+                warnings.echo()
+                time.sleep(0.2)
+            warnings.echo()
+        except KeyboardInterrupt:
+            # torchrun stops its workers on SIGINT (a terminal sends it to the whole
+            # group; a `kill -INT` of this process alone does not).
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if _show(bar, task, progress_file).get("event") == "done":
+                # the commit landed before the workers stopped: say so plainly
+                err.print(
+                    f"[bold red]error:[/] interrupted after the commit: {spec.target} is "
+                    "complete (reshard verify checks it)",
+                    highlight=False,
+                )
+            else:
+                err.print(
+                    f"[bold red]error:[/] interrupted; nothing was committed to {spec.target} "
+                    f"(worker logs: {log_path})",
+                    highlight=False,
+                )
+            raise typer.Exit(130) from None
+    return proc.returncode, log_path
 
 
 @app.command()

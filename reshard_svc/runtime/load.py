@@ -117,59 +117,9 @@ def load(
     """
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)
-    placed: dict[str, Placed] = {}
-
-    def prepare() -> None:
-        leaves = flatten(state_dict)  # type: ignore[arg-type]
-        tensor_keys = {k for k, v in leaves.items() if v.kind != "extra"}
-        extra_keys = set(leaves) - tensor_keys
-        # An empty dict placeholder receives every stored extra nested under its name.
-        for name in sorted(extra_keys - set(index.extras)):
-            leaf = leaves[name]
-            nested = {k: v for k, v in index.extras.items() if k.startswith(name + ".")}
-            if leaf.value == {} and nested:
-                leaf.parent[leaf.key] = unflatten(nested, len(name) + 1)
-                extra_keys.discard(name)
-        missing = sorted((tensor_keys - set(index.tensors)) | (extra_keys - set(index.extras)))
-        unexpected = sorted(set(index.tensors) - tensor_keys)
-        if strict and (missing or unexpected):
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {_names(missing)}")
-            if unexpected:
-                parts.append(f"in the checkpoint but not in state_dict: {_names(unexpected)}")
-            raise StateDictError(
-                f"load({uri!r}): {'; '.join(parts)} (pass strict=False to load the rest)"
-            )
-        casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
-        for name in sorted(tensor_keys & set(index.tensors)):
-            value = leaves[name].value
-            local = getattr(value, "_local_tensor", value)
-            if getattr(value, "is_meta", False) or getattr(local, "is_meta", False):
-                raise StateDictError(
-                    f"{name!r} is a meta tensor, which has no storage to load into: "
-                    "materialize the model first (e.g. model.to_empty(device=...))"
-                )
-            p = describe(leaves[name], comm)
-            meta = index.tensors[name]
-            if p.dtype != meta.dtype:
-                casts.setdefault((meta.dtype, p.dtype), []).append(name)
-            if p.shape != meta.shape:
-                raise StateDictError(
-                    f"{name!r}: state_dict has shape {list(p.shape)} but the checkpoint "
-                    f"has {list(meta.shape)}"
-                )
-            placed[name] = p
-        for name in sorted(extra_keys & set(index.extras)):
-            leaves[name].parent[leaves[name].key] = index.extras[name]
-        if comm.rank == 0:
-            for (stored, wanted), names in casts.items():
-                logger.warning(
-                    "load(%r): casting %d tensor(s) stored as %s to %s (e.g. %r)",
-                    uri, len(names), stored, wanted, names[0],
-                )  # fmt: skip
-
-    comm.run_everywhere(f"load({uri!r}): matching keys", prepare)
+    placed, _ = comm.run_everywhere(
+        f"load({uri!r}): matching keys", lambda: _match(state_dict, index, uri, strict, comm)
+    )
     gather_holders(placed, comm)
     warn_if_over_budget(index, placed, max_memory)
     wanted = {n: p.boxes for n, p in placed.items()}
@@ -183,6 +133,68 @@ def load(
     planned = plan.bytes_read()[comm.rank]
     total = sum(index.tensors[n].nbytes for n in placed)
     return LoadStats(read, total, len(plan.waves), planned, plan.strategy)
+
+
+def _match(
+    state_dict: Mapping[str, Any], index: CheckpointIndex, uri: str, strict: bool, comm: Comm
+) -> dict[str, Placed]:
+    """Pair the state dict's leaves with the checkpoint: JSON extras are filled in place,
+    keys checked (``strict``), and each tensor described as boxes held by ranks."""
+    leaves = flatten(state_dict)  # type: ignore[arg-type]
+    tensor_keys = {k for k, v in leaves.items() if v.kind != "extra"}
+    extra_keys = set(leaves) - tensor_keys
+    # An empty dict placeholder receives every stored extra nested under its name.
+    for name in sorted(extra_keys - set(index.extras)):
+        leaf = leaves[name]
+        nested = {k: v for k, v in index.extras.items() if k.startswith(name + ".")}
+        if leaf.value == {} and nested:
+            leaf.parent[leaf.key] = unflatten(nested, len(name) + 1)
+            extra_keys.discard(name)
+    missing = sorted((tensor_keys - set(index.tensors)) | (extra_keys - set(index.extras)))
+    unexpected = sorted(set(index.tensors) - tensor_keys)
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_names(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in state_dict: {_names(unexpected)}")
+        raise StateDictError(
+            f"load({uri!r}): {'; '.join(parts)} (pass strict=False to load the rest)"
+        )
+    placed: dict[str, Placed] = {}
+    casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+    for name in sorted(tensor_keys & set(index.tensors)):
+        placed[name] = p = _place(name, leaves[name], index.tensors[name], comm)
+        if p.dtype != index.tensors[name].dtype:
+            casts.setdefault((index.tensors[name].dtype, p.dtype), []).append(name)
+    for name in sorted(extra_keys & set(index.extras)):
+        leaves[name].parent[leaves[name].key] = index.extras[name]
+    if comm.rank == 0:
+        for (stored, wanted), names in casts.items():
+            logger.warning(
+                "load(%r): casting %d tensor(s) stored as %s to %s (e.g. %r)",
+                uri, len(names), stored, wanted, names[0],
+            )  # fmt: skip
+    return placed
+
+
+def _place(name: str, leaf: Any, meta: Any, comm: Comm) -> Placed:
+    """One state-dict tensor as boxes this rank holds; refuses meta tensors and shapes
+    that differ from the checkpoint's."""
+    value = leaf.value
+    local = getattr(value, "_local_tensor", value)
+    if getattr(value, "is_meta", False) or getattr(local, "is_meta", False):
+        raise StateDictError(
+            f"{name!r} is a meta tensor, which has no storage to load into: "
+            "materialize the model first (e.g. model.to_empty(device=...))"
+        )
+    p = describe(leaf, comm)
+    if p.shape != meta.shape:
+        raise StateDictError(
+            f"{name!r}: state_dict has shape {list(p.shape)} but the checkpoint "
+            f"has {list(meta.shape)}"
+        )
+    return p
 
 
 class _IntoStateDict:
