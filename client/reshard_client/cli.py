@@ -1,7 +1,8 @@
 """The ``reshard`` command line.
 
-Local commands (``inspect``, ``verify``) call reshard_svc directly. Exit codes: 0 ok,
-1 the checkpoint has problems (verify), 2 bad input or an error reading it.
+Local commands (``inspect``, ``verify``, ``convert``, ``gc``) call reshard_svc directly;
+the server's commands are in :mod:`reshard_client.cli_jobs`. Exit codes: 0 ok, 1 the
+checkpoint has problems (verify) or the job did not succeed, 2 bad input or an error.
 """
 
 from __future__ import annotations
@@ -244,19 +245,26 @@ def convert(
         else:
             code, log_path = _convert_with_torchrun(spec, progress_file, bar, task)
         last = _show(bar, task, progress_file)
+    _report(last, code, log_path, f"{src} -> {dst}", as_json)
+
+
+def _report(last: dict[str, Any], code: int, log_path: str, what: str, as_json: bool) -> None:
+    """The one line (or JSON) a conversion ends with; a failure names the worker log."""
+    import os
+
     if code != 0 or last.get("event") != "done":
         reason = last.get("error") or f"workers exited with code {code}"
-        if workers > 1:
+        if log_path:
             reason += f" (worker logs: {log_path})"
         err.print(f"[bold red]error:[/] {reason}", highlight=False)
         raise typer.Exit(2)
-    if workers > 1:
+    if log_path:
         os.unlink(log_path)
     if as_json:
         sys.stdout.write(json.dumps(last) + "\n")
     else:
         out.print(
-            f"[green]converted[/] {src} -> {dst}: {last['tensors']} tensors, "
+            f"[green]converted[/] {what}: {last['tensors']} tensors, "
             f"{_size(last['bytes_written'])} written in {last['seconds']} s ({last['strategy']})",
             highlight=False,
         )
@@ -432,31 +440,6 @@ def _show(bar: Progress, task: Any, path: str) -> dict[str, Any]:
     return last
 
 
-# ---------------------------------------------------------------- remote commands
-
-UrlOpt = Annotated[str | None, typer.Option("--url", envvar="RESHARD_URL", help="Server URL.")]
-TokenOpt = Annotated[
-    str | None,
-    typer.Option("--token", envvar="RESHARD_TOKEN", help="Bearer token.", show_default=False),
-]
-
-
-def _client(url: str | None, token: str | None) -> Any:
-    from reshard_client.client import ReshardClient
-
-    return ReshardClient(url, token)
-
-
-def _remote(fn: Any) -> Any:
-    """Run a remote call; client errors become a one-line message and exit code 2."""
-    from reshard_client.errors import ReshardClientError
-
-    try:
-        return fn()
-    except ReshardClientError as e:
-        raise _fail(e) from None
-
-
 def _parse_mesh(mesh: str | None) -> dict[str, int] | None:
     from reshard_svc.jobspec import parse_mesh
 
@@ -471,226 +454,8 @@ def _parse_rules(rules: str | None) -> dict[str, Any] | None:
     return dict(load_rules(rules))
 
 
-def _wait_with_bar(client: Any, job_id: str, quiet: bool) -> Any:
-    with _bar(quiet) as bar:
-        task = bar.add_task(f"job {job_id}", total=None, tensors="")
-
-        def show(job: Any) -> None:
-            p = job.progress
-            bar.update(
-                task,
-                completed=p.bytes_done,
-                total=p.bytes_total or None,
-                tensors=f"{p.tensors_done}/{p.tensors_total} tensors · {job.state.value}",
-            )
-
-        return client.wait(job_id, on_progress=show, poll=0.3)
-
-
-def _print_job(job: Any, as_json: bool) -> None:
-    if as_json:
-        sys.stdout.write(job.model_dump_json(indent=1) + "\n")
-        return
-    p = job.progress
-    out.print(
-        f"[bold]{job.id}[/]  {job.state.value}  {job.source} -> {job.target}", highlight=False
-    )
-    out.print(
-        f"  progress {_size(p.bytes_done)} / {_size(p.bytes_total)}, "
-        f"{p.tensors_done}/{p.tensors_total} tensors; attempts {job.attempts}",
-        highlight=False,
-    )
-    if job.error:
-        out.print(f"  [red]error:[/] {job.error}", highlight=False)
-
-
-@app.command()
-def submit(
-    src: Annotated[str, typer.Argument(help="Source checkpoint URI (under the server's roots).")],
-    dst: Annotated[str, typer.Argument(help="Target URI (under the server's roots).")],
-    mesh: Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=2 or dp=2,tp=4.")] = None,
-    rules: Annotated[
-        str | None, typer.Option(help="YAML/JSON file: tensor glob -> placements.")
-    ] = None,
-    format: Annotated[str, typer.Option(help="native or hf.")] = "native",
-    dtype: Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")] = None,
-    workers: Annotated[
-        int | None, typer.Option(min=1, help="Total torchrun workers (nodes x workers per node).")
-    ] = None,
-    nodes: Annotated[
-        int, typer.Option(min=1, help="Nodes (torchrun agents) on the server's engine.")
-    ] = 1,
-    workers_per_node: Annotated[
-        int | None, typer.Option(min=1, help="Workers per node (GPUs per node).")
-    ] = None,
-    strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
-    max_memory: Annotated[
-        str | None, typer.Option(help="Byte budget per worker, e.g. 1GiB.")
-    ] = None,
-    checksum: Annotated[
-        str, typer.Option(help="What the output records: crc32c, sha256 or none.")
-    ] = "crc32c",
-    overwrite: Annotated[
-        bool,
-        typer.Option(
-            "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
-        ),
-    ] = False,
-    only: Annotated[
-        list[str] | None,
-        typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
-    ] = None,
-    strip_prefix: Annotated[
-        str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
-    ] = None,
-    idempotency_key: Annotated[
-        str | None, typer.Option(help="Submit at most once per key.")
-    ] = None,
-    wait: Annotated[
-        bool, typer.Option("--wait", help="Follow progress until the job ends.")
-    ] = False,
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
-) -> None:
-    """Submit a conversion job to reshard-server."""
-    spec: dict[str, Any] = {"source": src, "target": dst, "format": format, "nodes": nodes,
-                            "strategy": strategy, "checksum": checksum}  # fmt: skip
-    if workers is not None:
-        spec["workers"] = workers
-    if workers_per_node is not None:
-        spec["workers_per_node"] = workers_per_node
-    try:
-        if mesh:
-            spec["mesh"] = _parse_mesh(mesh)
-        if rules:
-            spec["rules"] = _parse_rules(rules)
-    except Exception as e:  # layout / rules text errors
-        raise _fail(e) from None
-    if dtype:
-        spec["dtype"] = dtype
-    if max_memory:
-        spec["max_memory"] = max_memory
-    if overwrite:
-        spec["overwrite"] = True
-    if only:
-        spec["only"] = only
-    if strip_prefix:
-        spec["strip_prefix"] = strip_prefix
-    from pydantic import ValidationError
-
-    from reshard_server.schemas import JobCreate
-
-    try:
-        JobCreate(**spec)
-    except ValidationError as e:  # the server would answer 422: say so without a traceback
-        fields = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}" for d in e.errors())
-        err.print(f"[bold red]error:[/] invalid job: {fields}", highlight=False)
-        raise typer.Exit(2) from None
-    with _client(url, token) as client:
-        job = _remote(lambda: client.submit(spec, idempotency_key=idempotency_key))
-        if not as_json:
-            err.print(f"submitted job {job.id} ({job.state.value})", highlight=False)
-        if wait:
-            job = _remote(lambda: _wait_with_bar(client, job.id, as_json))
-        _print_job(job, as_json)
-    if wait and job.state.value != "succeeded":
-        raise typer.Exit(1)
-
-
-@app.command()
-def jobs(
-    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
-    limit: Annotated[int, typer.Option(min=1, max=500)] = 50,
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-) -> None:
-    """List jobs, newest first."""
-    with _client(url, token) as client:
-        page = _remote(lambda: client.list(state=state, limit=limit))
-    if as_json:
-        sys.stdout.write(page.model_dump_json(indent=1) + "\n")
-        return
-    table = Table(title=f"{page.total} job(s)", title_justify="left")
-    for col in ("id", "state", "progress", "source", "target", "created"):
-        table.add_column(col)
-    for j in page.items:
-        p = j.progress
-        pct = f"{100 * p.bytes_done / p.bytes_total:.0f}%" if p.bytes_total else "-"
-        table.add_row(
-            j.id, j.state.value, pct, j.source, j.target, j.created_at.strftime("%Y-%m-%d %H:%M:%S")
-        )
-    out.print(table)
-
-
-@app.command()
-def status(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-) -> None:
-    """Show one job: state, progress, error."""
-    with _client(url, token) as client:
-        _print_job(_remote(lambda: client.get(job_id)), as_json)
-
-
-@app.command()
-def logs(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    follow: Annotated[
-        bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
-    ] = False,
-    tail: Annotated[int | None, typer.Option(help="Only the last N lines.")] = None,
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-) -> None:
-    """Print a job's worker logs."""
-    import time
-
-    from reshard_client.client import TERMINAL
-
-    with _client(url, token) as client:
-        chunk = _remote(lambda: client.logs(job_id, tail=tail))
-        sys.stdout.write(chunk.text)
-        offset = chunk.next_offset
-        while follow:
-            job = _remote(lambda: client.get(job_id))
-            chunk = _remote(lambda at=offset: client.logs(job_id, offset=at))
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            offset = chunk.next_offset
-            if job.state.value in TERMINAL and not chunk.text:
-                break
-            time.sleep(0.5)
-
-
-@app.command()
-def cancel(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-) -> None:
-    """Cancel a job (queued: at once; running: SIGTERM, then SIGKILL after a grace)."""
-    with _client(url, token) as client:
-        _print_job(_remote(lambda: client.cancel(job_id)), as_json)
-
-
-@app.command("wait")
-def wait_cmd(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-) -> None:
-    """Follow a job's progress until it ends; exit 1 unless it succeeded."""
-    with _client(url, token) as client:
-        job = _remote(lambda: _wait_with_bar(client, job_id, as_json))
-    _print_job(job, as_json)
-    if job.state.value != "succeeded":
-        raise typer.Exit(1)
+# The server commands (submit, jobs, status, logs, cancel, wait) register on ``app`` too.
+from reshard_client import cli_jobs  # noqa: E402, F401
 
 
 def main(argv: list[str] | None = None) -> Any:
@@ -699,4 +464,8 @@ def main(argv: list[str] | None = None) -> Any:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the imported module's app, not this __main__ copy's: the server commands
+    # registered themselves on that one.
+    from reshard_client.cli import main as _entry
+
+    _entry()
