@@ -1,7 +1,7 @@
 """reshard_svc: save, load and reshard PyTorch distributed checkpoints between meshes.
 
 The layout core (:mod:`reshard_svc.layout`, :mod:`reshard_svc.boxes`) is pure and needs
-no process group; the runtime (``save``, ``load``, ``convert``) runs under torchrun.
+no process group; the runtime (``save``, ``load``, ``convert``, ``transfer``) runs under torchrun.
 """
 
 __version__ = "0.1.0"
@@ -17,6 +17,8 @@ from reshard_svc.errors import (  # noqa: E402
     ReshardError,
     StateDictError,
     StorageError,
+    TransferAbortedError,
+    TransferError,
     UnsafePickleError,
     UnsupportedFormatError,
 )
@@ -27,10 +29,13 @@ from reshard_svc.runtime.async_save import AsyncSaver, async_save
 from reshard_svc.runtime.convert import ConvertResult, convert
 from reshard_svc.runtime.load import LoadStats, load
 from reshard_svc.runtime.save import save
+from reshard_svc.runtime.transfer import PlanCache, TransferResult, transfer
+from reshard_svc.transfer_plan import Cat
 
 __all__ = [
     "AsyncSaver",
     "Box",
+    "Cat",
     "CheckpointError",
     "CheckpointIndex",
     "ConvertResult",
@@ -43,12 +48,16 @@ __all__ = [
     "Mesh",
     "NotACheckpointError",
     "PathNotAllowedError",
+    "PlanCache",
     "Replicate",
     "ReshardError",
     "Shard",
     "StateDictError",
     "StorageError",
     "StridedShard",
+    "TransferAbortedError",
+    "TransferError",
+    "TransferResult",
     "UnsafePickleError",
     "UnsupportedFormatError",
     "VerifyReport",
@@ -60,5 +69,6 @@ __all__ = [
     "read_blob",
     "load",
     "save",
+    "transfer",
     "verify",
 ]

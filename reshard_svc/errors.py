@@ -17,7 +17,9 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     ├── StorageError (OSError)            the storage backend failed; ``__cause__`` is kept
     │   └── MissingFileError (FileNotFoundError)
     ├── PathNotAllowedError (PermissionError)  a URI outside the configured roots
+    ├── TransferError (ValueError)        a live transfer's two sides do not match
     └── DistributedError                  a peer rank failed; carries the peers' messages
+        └── TransferAbortedError          a transfer failed mid-way; says what was updated
 
 Messages name the thing to fix (the key, the file, the flag), never just "invalid".
 """
@@ -38,6 +40,8 @@ __all__ = [
     "StateDictError",
     "StorageError",
     "TargetExistsError",
+    "TransferAbortedError",
+    "TransferError",
     "UnsafePickleError",
     "UnsupportedFormatError",
     "UsageError",
@@ -127,3 +131,25 @@ class DistributedError(ReshardError):
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.failures: dict[int, str] = dict(failures or {})
+
+
+class TransferError(ReshardError, ValueError):
+    """The two sides of a live transfer do not match: a missing or unused name, a shape or
+    dtype that differs, sources that do not tile, a budget too small. Raised on every rank
+    before any byte moves."""
+
+
+class TransferAbortedError(DistributedError):
+    """A rank failed during a transfer. ``updated`` names the target tensors that were
+    swapped in whole before the failure; every other target is untouched."""
+
+    def __init__(
+        self,
+        message: str,
+        failures: dict[int, str] | None = None,
+        *,
+        updated: tuple[str, ...] = (),
+        untouched: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message, failures)
+        self.updated, self.untouched = tuple(updated), tuple(untouched)

@@ -1,0 +1,118 @@
+"""Live weight sync on 8 real gloo processes: trainer mesh -> inference mesh, bitwise.
+
+Every scenario runs in one launch (see ``transfer_workloads.scenarios``); each test checks
+its own scenario's per-rank results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed import transfer_workloads as w
+from tests.distributed.harness import run
+
+pytestmark = pytest.mark.distributed
+
+SCENARIOS = ["fsdp_to_tp", "dp_tp_to_replicas", "overlapping", "failure", "mismatches"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[int, Any]]:
+    out = run(w.scenarios, 8, SCENARIOS)
+    return {s: {rank: out[rank][s] for rank in out} for s in SCENARIOS}
+
+
+def _bytes(params: dict[str, tuple[tuple[int, ...], Any]]) -> int:
+    import math
+
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in params.values())
+
+
+def test_fsdp_to_tp_with_fused_qkv_and_gate_up(results):
+    r = results["fsdp_to_tp"]
+    for rank in range(8):
+        assert r[rank]["wrong_first"] == [], rank
+        assert r[rank]["first"]["updated"] == sorted(w.inference_params())
+        assert not r[rank]["first"]["cached"]
+    for rank in range(4):
+        assert r[rank]["source_full_tensor_ok"]
+    # disjoint meshes: trainers only send; each inference rank receives each byte it holds
+    # once (replicated norms once per rank)
+    for k in range(4, 8):
+        assert r[k]["first"]["received"] == r[k]["local_bytes"] > 0
+    needed = sum(r[k]["local_bytes"] for k in range(4, 8))
+    assert sum(r[k]["first"]["sent"] for k in range(4)) == needed
+    assert all(r[k]["first"]["received"] == 0 for k in range(4))
+
+
+def test_second_call_reuses_the_plan_and_moves_new_values(results):
+    r = results["fsdp_to_tp"]
+    for rank in range(8):
+        assert r[rank]["second"]["cached"], rank
+        assert r[rank]["wrong_second"] == [], rank  # sources doubled in place in between
+
+
+def test_dp_tp_trainer_to_two_inference_replicas(results):
+    r = results["dp_tp_to_replicas"]
+    for rank in range(8):
+        assert r[rank]["wrong"] == [], rank
+    # each byte leaves a trainer rank once per inference rank that holds it ...
+    for k in range(4, 8):
+        assert r[k]["received"] == r[k]["local_bytes"] > 0
+    assert sum(r[k]["sent"] for k in range(4)) == sum(r[k]["local_bytes"] for k in range(4, 8))
+    # ... the two engines (ranks 4-5 and 6-7) receive the whole model each (norms on both
+    # TP ranks of an engine) ...
+    norms = sum(
+        shape[0] * dtype.itemsize for n, (shape, dtype) in w.trainer_params().items() if "norm" in n
+    )
+    assert r[4]["local_bytes"] + r[5]["local_bytes"] == _bytes(w.trainer_params()) + norms
+    # ... and the dp replicas of the replicated tensors share the sending
+    sent = [r[k]["sent"] for k in range(4)]
+    assert max(sent) - min(sent) <= 0.05 * max(sent), sent
+
+
+def test_overlapping_meshes_copy_in_place(results):
+    r = results["overlapping"]
+    for rank in range(8):
+        assert r[rank]["wrong"] == [], rank
+    assert r[4]["copied"] > 0 and r[5]["copied"] > 0  # ranks in both meshes
+    assert r[6]["copied"] == r[7]["copied"] == 0
+    for k in range(4, 8):
+        assert r[k]["received"] + r[k]["copied"] == r[k]["local_bytes"] > 0
+    assert sum(r[k]["sent"] for k in range(8)) == sum(r[k]["received"] for k in range(8))
+
+
+def test_a_rank_failing_mid_transfer_fails_every_rank_and_leaves_no_half_tensor(results):
+    r = results["failure"]
+    first = r[0]
+    assert first["raised"] == "TransferAbortedError"
+    assert first["updated"], "the failure was injected in bucket 2: bucket 1 was swapped in"
+    assert first["untouched"]
+    assert sorted(first["updated"] + first["untouched"]) == sorted(w.inference_params())
+    for rank in range(8):
+        assert r[rank]["raised"] == "TransferAbortedError", rank
+        assert r[rank]["updated"] == first["updated"], rank
+        assert r[rank]["wrong_updated"] == [], rank
+        assert r[rank]["sentinel_not_untouched"] == [], rank
+        assert "injected failure" in r[rank]["message"]
+    assert "rank 5" in r[0]["message"]
+
+
+def test_mismatched_names_fail_closed_on_every_rank(results):
+    r = results["mismatches"]
+    expect = {
+        "missing": "needs source(s)",
+        "unused": "used by no target",
+        "cat_length": "add up to 24",
+        "shape": "has shape (37, 16)",
+        "dtype": "transfer never converts dtypes",
+        "unknown_target": "no rank passed a target",
+    }
+    for rank in range(8):
+        for case, text in expect.items():
+            assert r[rank][case] is not None and text in r[rank][case], (rank, case)
+            assert r[rank][case] == r[0][case]
+        assert r[rank]["untouched_after_errors"], rank
+        assert r[rank]["wrong_after"] == [], rank

@@ -1,0 +1,204 @@
+"""Properties of the pure transfer planner on random meshes, layouts and fusions.
+
+Each problem places a source mesh and a target mesh in one world (disjoint, overlapping or
+identical rank ranges), fuses 1-3 sources along dim 0 into one target, and runs the plan
+by hand on real tensors: every element of every target box must be written exactly once
+per holder, from a rank that holds it, and equal the concatenated sources.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reshard_svc.errors import TransferError
+from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
+from reshard_svc.transfer_plan import Cat, Side, plan_transfer
+
+EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ISZ = 8  # float64: values are exact
+
+
+@st.composite
+def layouts(draw, ndim: int) -> Layout:
+    mesh = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2))))
+    placements = []
+    for _ in mesh:
+        kind = draw(st.sampled_from(["R", "S", "SS"])) if ndim else "R"
+        dim = draw(st.integers(0, max(ndim - 1, 0)))
+        if kind == "R":
+            placements.append(Replicate())
+        elif kind == "S":
+            placements.append(Shard(dim))
+        else:
+            placements.append(StridedShard(dim, draw(st.integers(1, 3))))
+    return Layout(Mesh(mesh), tuple(placements))
+
+
+def side(shape: tuple[int, ...], layout: Layout, first_rank: int) -> Side:
+    holders: dict[Box, list[int]] = {}
+    for i, boxes in enumerate(layout.shards(shape)):
+        for b in boxes:
+            if not b.is_empty:
+                holders.setdefault(b, []).append(first_rank + i)
+    return Side("float64", ISZ, shape, tuple((b, tuple(h)) for b, h in sorted(holders.items())))
+
+
+@st.composite
+def problems(draw):
+    ndim = draw(st.integers(1, 3))
+    rest = tuple(draw(st.integers(1, 5)) for _ in range(ndim - 1))
+    parts = [(draw(st.integers(0, 9)), *rest) for _ in range(draw(st.integers(1, 3)))]
+    src_layouts = [draw(layouts(ndim)) for _ in parts]
+    dst_layout = draw(layouts(ndim))
+    src_at = [draw(st.integers(0, 4)) for _ in parts]
+    dst_at = draw(st.integers(0, 4))
+    return parts, src_layouts, src_at, dst_layout, dst_at
+
+
+def build(parts, src_layouts, src_at, dst_layout, dst_at):
+    src = {
+        f"s{i}": side(shape, lay, at)
+        for i, (shape, lay, at) in enumerate(zip(parts, src_layouts, src_at))
+    }
+    target = (sum(p[0] for p in parts), *parts[0][1:])
+    dst = {"t": side(target, dst_layout, dst_at)}
+    names = {"t": Cat(tuple(src), dim=0)} if len(parts) > 1 else {"t": "s0"}
+    world = max(
+        [at + lay.mesh.size for at, lay in zip(src_at, src_layouts)]
+        + [dst_at + dst_layout.mesh.size]
+    )
+    return src, dst, names, world
+
+
+def _sl(box: Box):
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+@EXAMPLES
+@given(problems(), st.integers(1, 5000))
+def test_every_target_element_arrives_once_from_a_holder(problem, budget):
+    src, dst, names, world = build(*problem)
+    try:
+        plan = plan_transfer(src, dst, names, world, budget)
+    except TransferError as e:
+        assert "raise max_memory" in str(e)
+        return
+    fulls = {
+        n: torch.arange(math.prod(s.shape), dtype=torch.float64).reshape(s.shape) + 1000 * i
+        for i, (n, s) in enumerate(src.items())
+    }
+    want = torch.cat(list(fulls.values()), dim=0)
+    got = {
+        (r, b): torch.full(b.sizes, float("nan"), dtype=torch.float64)
+        for b, hs in dst["t"].boxes
+        for r in hs
+    }
+    count = {k: torch.zeros(k[1].sizes, dtype=torch.int64) for k in got}
+    src_holders = {n: dict(s.boxes) for n, s in src.items()}
+    for bucket in plan.buckets:
+        for m in bucket.moves:
+            assert m.sender in src_holders[m.src][m.src_box]
+            assert m.src_box.relative_to(m.src_box).contains(m.src_piece)
+            assert (m.sender == m.receiver) == (m.receiver in src_holders[m.src][m.src_box])
+            values = fulls[m.src][_sl(m.src_box)][_sl(m.src_piece)]
+            got[(m.receiver, m.dst_box)][_sl(m.dst_piece)] = values
+            count[(m.receiver, m.dst_box)][_sl(m.dst_piece)] += 1
+            assert m.nbytes == m.src_piece.numel * ISZ
+    for (rank, box), value in got.items():
+        assert torch.equal(value, want[_sl(box)]), (rank, box)
+        assert bool((count[(rank, box)] == 1).all())
+    moves = [m for b in plan.buckets for m in b.moves]
+    assert (
+        sum(plan.sent)
+        == sum(plan.received)
+        == sum(m.nbytes for m in moves if m.sender != m.receiver)
+    )
+    assert sum(plan.copied) == sum(m.nbytes for m in moves if m.sender == m.receiver)
+    assert plan.tensors == ("t",)
+    assert max(plan.peak) <= budget
+
+
+@EXAMPLES
+@given(problems())
+def test_sending_spreads_over_replicas(problem):
+    """Replaying the plan in order, each piece is sent by a holder with the least bytes
+    sent so far, and pieces a receiver holds itself are copied, never sent."""
+    src, dst, names, world = build(*problem)
+    plan = plan_transfer(src, dst, names, world, 1 << 40)
+    holders = {n: dict(s.boxes) for n, s in src.items()}
+    load = [0] * world
+    for m in (m for b in plan.buckets for m in b.moves):
+        hs = holders[m.src][m.src_box]
+        if m.receiver in hs:
+            assert m.sender == m.receiver
+            continue
+        assert load[m.sender] == min(load[h] for h in hs)
+        load[m.sender] += m.nbytes
+    assert tuple(load) == plan.sent
+
+
+def test_many_buckets_keep_whole_tensors_together():
+    shape = (8, 4)
+    lay = Layout(Mesh((2,)), (Shard(0),))
+    src = {f"w{i}": side(shape, lay, 0) for i in range(6)}
+    dst = {f"w{i}": side(shape, Layout(Mesh((2,)), (Shard(1),)), 2) for i in range(6)}
+    per_tensor = 8 * 4 * ISZ  # each rank sends half, receives half, stages half
+    plan = plan_transfer(src, dst, None, 4, 2 * per_tensor)
+    assert len(plan.buckets) == 3
+    for b in plan.buckets:
+        assert {m.dst for m in b.moves} == set(b.tensors)
+    assert plan.tensors == tuple(sorted(dst))
+
+
+def _simple(shape=(4, 4), dtype="float64"):
+    lay = Layout(Mesh((2,)), (Shard(0),))
+    s = side(shape, lay, 0)
+    return Side(dtype, ISZ, s.shape, s.boxes)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "names", "text"),
+    [
+        ({"a": _simple()}, {"b": _simple()}, None, "needs source(s) 'b'"),
+        ({"a": _simple(), "x": _simple()}, {"a": _simple()}, None, "'x' are used by no target"),
+        ({"a": _simple((4, 5))}, {"a": _simple()}, None, "has shape (4, 4)"),
+        ({"a": _simple(dtype="float32")}, {"a": _simple()}, None, "never converts dtypes"),
+        ({"a": _simple()}, {"a": _simple()}, {"z": "a"}, "no rank passed a target"),
+        (
+            {"a": _simple(), "b": _simple()},
+            {"t": _simple((8, 4))},
+            {"t": Cat(("a", "b"), dim=2)},
+            "out of range",
+        ),
+        (
+            {"a": _simple(), "b": _simple()},
+            {"t": _simple((8, 4))},
+            {"t": Cat(("a", "b"), dim=1)},
+            "has shape (8, 4)",
+        ),
+        ({"a": _simple()}, {"a": _simple()}, {"a": 3}, "must be a source name or a Cat"),
+    ],
+)
+def test_mismatches_are_typed_errors(src, dst, names, text):
+    with pytest.raises(TransferError) as e:
+        plan_transfer(src, dst, names, 4, 1 << 30)
+    assert text in str(e.value)
+
+
+def test_sources_that_do_not_tile_are_refused():
+    full = _simple()
+    holed = Side("float64", ISZ, (4, 4), full.boxes[:1])  # rank 1's half is missing
+    with pytest.raises(TransferError, match="cover 8 of 16"):
+        plan_transfer({"a": holed}, {"a": full}, None, 4, 1 << 30)
+
+
+def test_cat_needs_names():
+    with pytest.raises(TransferError):
+        Cat("qkv")
+    with pytest.raises(TransferError):
+        Cat(())
