@@ -1,4 +1,5 @@
-"""The README's "Checkpointing a training loop" code runs: 2 ranks, then resumed at 1."""
+"""The README's Python scripts run as written: "Checkpointing a training loop" (2 ranks,
+then resumed at 1) and "Live weight sync" (FSDP2 trainer and TP inference in one job)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ import pytest
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def training_loop_code() -> str:
+def readme_code(marker: str) -> str:
     text = README.read_text()
     block = re.search(
-        r"<!-- training-loop:start -->\s*```python\n(.*?)```\s*<!-- training-loop:end -->",
-        text,
-        re.S,
+        rf"<!-- {marker}:start -->\s*```python\n(.*?)```\s*<!-- {marker}:end -->", text, re.S
     )
-    assert block, "README lost its training-loop section"
+    assert block, f"README lost its {marker} section"
     return block.group(1)
+
+
+def training_loop_code() -> str:
+    return readme_code("training-loop")
 
 
 @pytest.mark.distributed
@@ -39,3 +42,29 @@ def test_readme_training_loop_saves_and_resumes_at_another_size(tmp_path):
     index = json.loads((tmp_path / "ckpt" / "latest" / "reshard.index.json").read_text())
     assert index["extras"]["step"] == 40  # 20 steps at TP=2, then 20 more after resuming at 1
     assert index["tensors"]["model.0.weight"]["layout"]["mesh"]["shape"] == [1]
+
+
+@pytest.mark.distributed
+def test_readme_live_sync_moves_the_trained_weights_every_step(tmp_path):
+    script = tmp_path / "live_sync.py"
+    script.write_text(readme_code("live-sync"))
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = re.findall(
+        r"step (\d) rank (\d) qkv (\w+) sent (\d+) received (\d+) cached plan (True|False)", r.stdout
+    )
+    assert len(lines) == 12, r.stdout
+    digests = {}
+    for step, rank, digest, sent, received, cached in lines:
+        digests.setdefault(step, set()).add(digest)
+        assert cached == ("True" if step != "0" else "False")
+        if rank in "01":
+            assert int(sent) > 0 and int(received) == 0
+        else:
+            assert int(received) > 0 and int(sent) == 0
+    # every rank sees the same q|k|v bytes each step, and training changes them
+    assert all(len(d) == 1 for d in digests.values()), digests
+    assert len({next(iter(d)) for d in digests.values()}) == 3
