@@ -54,7 +54,8 @@ def test_readme_live_sync_moves_the_trained_weights_every_step(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     lines = re.findall(
-        r"step (\d) rank (\d) qkv (\w+) sent (\d+) received (\d+) cached plan (True|False)", r.stdout
+        r"step (\d) rank (\d) qkv (\w+) sent (\d+) received (\d+) cached plan (True|False)",
+        r.stdout,
     )
     assert len(lines) == 12, r.stdout
     digests = {}
