@@ -68,25 +68,36 @@ class TransferResult:
     seconds: float
 
 
+@dataclass
+class _Entry:
+    """A cached plan: its world-wide id, the plan, and this rank's reusable buffer."""
+
+    plan_id: int
+    plan: TransferPlan
+    scratch: _Scratch
+
+
 class PlanCache:
     """The last few transfer plans of this process, keyed by this rank's own description.
 
     A hit is used only when every rank of the group hits the same plan (checked by one
     all-reduce), so a layout that changed on any rank re-plans everywhere.
+    Each entry also keeps this rank's byte buffer for the buckets (at most ``max_memory``),
+    as RL stacks keep their transfer buffers: ``clear()`` frees them.
     """
 
     def __init__(self, maxsize: int = 8) -> None:
         self.maxsize = maxsize
-        self._plans: OrderedDict[str, tuple[int, TransferPlan]] = OrderedDict()
+        self._plans: OrderedDict[str, _Entry] = OrderedDict()
 
-    def get(self, key: str) -> tuple[int, TransferPlan] | None:
+    def get(self, key: str) -> _Entry | None:
         hit = self._plans.get(key)
         if hit is not None:
             self._plans.move_to_end(key)
         return hit
 
-    def put(self, key: str, plan_id: int, plan: TransferPlan) -> None:
-        self._plans[key] = (plan_id, plan)
+    def put(self, key: str, entry: _Entry) -> None:
+        self._plans[key] = entry
         self._plans.move_to_end(key)
         while len(self._plans) > self.maxsize:
             self._plans.popitem(last=False)
@@ -124,8 +135,9 @@ def transfer(
     comm = Comm(process_group)
     with torch.no_grad():
         local = _Local.of(src, dst, comm, names, max_memory)
-        plan, cached = _plan(local, comm, names, max_memory, plan_cache)
-        updated = _run(plan, local, comm)
+        entry, cached = _plan(local, comm, names, max_memory, plan_cache)
+        plan = entry.plan
+        updated = _run(plan, local, comm, entry.scratch)
     rank = comm.rank
     return TransferResult(
         updated,
@@ -215,24 +227,20 @@ def _plan(
     names: Mapping[str, str | Cat] | None,
     budget: int,
     cache: PlanCache | None,
-) -> tuple[TransferPlan, bool]:
+) -> tuple[_Entry, bool]:
     hit = cache.get(local.key) if cache is not None and local.error is None else None
-    if hit is not None and _everyone_hit(comm, hit[0]):
-        return hit[1], True
+    if hit is not None and _everyone_hit(comm, hit.plan_id):
+        return hit, True
     if hit is None:
         _everyone_hit(comm, -1)  # the others may have hit: they must learn that we did not
     gathered = _exchange(local, comm, names, budget)
     src, dst = _sides(gathered, "src"), _sides(gathered, "dst")
     plan = plan_transfer(src, dst, names, comm.world, budget)
-    plan_id = (
-        int.from_bytes(
-            hashlib.blake2b(json.dumps(gathered).encode(), digest_size=8).digest(), "big"
-        )
-        >> 2
-    )
+    digest = hashlib.blake2b(json.dumps(gathered).encode(), digest_size=8).digest()
+    entry = _Entry(int.from_bytes(digest, "big") >> 2, plan, _Scratch())
     if cache is not None:
-        cache.put(local.key, plan_id, plan)
-    return plan, False
+        cache.put(local.key, entry)
+    return entry, False
 
 
 def _everyone_hit(comm: Comm, plan_id: int) -> bool:
@@ -304,18 +312,50 @@ def _layout(moves: tuple[Move, ...]) -> tuple[list[int], int]:
     offsets, pos = [], 0
     for m in moves:
         offsets.append(pos)
-        pos += -(-m.nbytes // _ALIGN) * _ALIGN
+        pos += _aligned(m.nbytes)
     return offsets, pos
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _Scratch:
+    """One byte buffer a rank reuses for every bucket's send, receive and staging buffers
+    (kept with the cached plan, so steady-state calls fault in no new pages)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.pos = 0
+
+    def reserve(self, sizes: list[int], device: torch.device) -> None:
+        need = sum(_aligned(n) for n in sizes)
+        if self.buf is None or self.buf.numel() < need or self.buf.device != device:
+            self.buf = None  # free the old one first
+            self.buf = torch.empty(need, dtype=torch.uint8, device=device)
+        self.pos = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None:
+            raise RuntimeError("scratch used before reserve()")
+        out = self.buf[self.pos : self.pos + nbytes]
+        self.pos += _aligned(nbytes)
+        return out
+
+    def take_like(self, like: torch.Tensor) -> torch.Tensor:
+        return self.take(like.numel() * like.element_size()).view(like.dtype).view(like.shape)
 
 
 class _Bucket:
     """One bucket on this rank: buffers, the point-to-point exchange, staging, the swap."""
 
-    def __init__(self, work: RankWork, local: _Local, comm: Comm) -> None:
+    def __init__(self, work: RankWork, local: _Local, comm: Comm, scratch: _Scratch) -> None:
         self.work, self.local, self.comm = work, local, comm
-        self.staging = {
-            (name, box): torch.empty_like(local.dst[name].local[box]) for name, box in work.staged
-        }
+        sizes = [_layout(ms)[1] for _, ms in work.sends] + [_layout(ms)[1] for _, ms in work.recvs]
+        views = {key: local.dst[key[0]].local[key[1]] for key in work.staged}
+        scratch.reserve(sizes + [v.numel() * v.element_size() for v in views.values()], comm.device)
+        self.staging = {key: scratch.take_like(v) for key, v in views.items()}
+        self.scratch = scratch
         self.sends: list[tuple[int, torch.Tensor]] = []
         self.recvs: list[tuple[int, torch.Tensor]] = []
 
@@ -328,14 +368,11 @@ class _Bucket:
     def pack(self) -> None:
         """Fill the send buffers and allocate the receive buffers (before the exchange, so
         a failure here is caught by the agreement that follows, never mid-exchange)."""
-        self.recvs = [
-            (peer, torch.empty(_layout(moves)[1], dtype=torch.uint8, device=self.comm.device))
-            for peer, moves in self.work.recvs
-        ]
+        self.recvs = [(peer, self.scratch.take(_layout(ms)[1])) for peer, ms in self.work.recvs]
         self.sends = []
         for peer, moves in self.work.sends:
             offsets, total = _layout(moves)
-            buf = torch.empty(total, dtype=torch.uint8, device=self.comm.device)
+            buf = self.scratch.take(total)
             for m, at in zip(moves, offsets):
                 piece = self.source(m)
                 buf[at : at + m.nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
@@ -372,12 +409,12 @@ class _Bucket:
             self.local.dst[name].local[box].copy_(staged)
 
 
-def _run(plan: TransferPlan, local: _Local, comm: Comm) -> tuple[str, ...]:
+def _run(plan: TransferPlan, local: _Local, comm: Comm, scratch: _Scratch) -> tuple[str, ...]:
     updated: list[str] = []
     for i, (bucket, work) in enumerate(zip(plan.buckets, plan.work(comm.rank))):
         what = f"transfer bucket {i + 1}/{len(plan.buckets)}"
         try:
-            step = _Bucket(work, local, comm)
+            step = _Bucket(work, local, comm, scratch)
             comm.run_everywhere(f"{what}: packing", step.pack)
             comm.run_everywhere(f"{what}: moving", step.move)
         except Exception as e:
