@@ -161,6 +161,7 @@ class _Local:
     dst: dict[str, Placed]
     error: str | None
     key: str
+    description: dict[str, Any]
 
     @classmethod
     def of(
@@ -174,13 +175,10 @@ class _Local:
         try:
             s, d = _placed(src, comm, "src"), _placed(dst, comm, "dst")
         except Exception as e:  # reported to every rank by the layout exchange
-            return cls({}, {}, f"{type(e).__name__}: {e}", "")
+            return cls({}, {}, f"{type(e).__name__}: {e}", "", {})
         me = {"src": _describe(s), "dst": _describe(d)}
         key = json.dumps([me, _names_json(names), budget, comm.rank, comm.world])
-        return cls(s, d, None, key)
-
-    def description(self) -> dict[str, Any]:
-        return {"src": _describe(self.src), "dst": _describe(self.dst)}
+        return cls(s, d, None, key, me)
 
 
 def _placed(state: Mapping[str, Any] | None, comm: Comm, side: str) -> dict[str, Placed]:
@@ -262,7 +260,7 @@ def _exchange(
     def mine() -> dict[str, Any]:
         if local.error is not None:
             raise StateDictError(local.error)
-        return {**local.description(), "names": _names_json(names), "budget": budget}
+        return {**local.description, "names": _names_json(names), "budget": budget}
 
     _, gathered = comm.run_everywhere("transfer: describing tensors", mine)
     for rank, g in enumerate(gathered):
@@ -429,6 +427,7 @@ def _run(plan: TransferPlan, local: _Local, comm: Comm, scratch: _Scratch) -> tu
                 untouched=rest,
             ) from e
         step.swap()
+        del step  # its views of the scratch buffer go before the next bucket may regrow it
         updated.extend(bucket.tensors)
         logger.debug("%s: %d tensors swapped in", what, len(bucket.tensors))
     return tuple(updated)
