@@ -12,7 +12,8 @@ called twice (the second call is the steady state of an RL loop; ours then reuse
 Reported per case, medians over runs of the max over ranks:
   * wall time of the steady call (and of our first call, planning included);
   * bytes sent by the busiest rank, measured (``wchar``: gloo writes to its sockets);
-  * peak RSS growth of the busiest rank during the call;
+  * peak RSS growth of the busiest rank during the call (ours keeps one buffer of at most
+    max_memory per rank with its cached plan: it grows on the first call, not the next);
   * whether both systems left bitwise-equal inference tensors.
 
     python bench/transfer.py [--size full|small] [--runs 3]
@@ -261,6 +262,7 @@ def summary(
         "ours_busiest_sent_mb": med("ours_steady", "sent", 1e6),
         "gen1_busiest_sent_mb": med("gen1_steady", "sent", 1e6),
         "ours_rss_growth_mb": med("ours_steady", "rss_growth_mb"),
+        "ours_first_call_rss_growth_mb": med("ours_first", "rss_growth_mb"),
         "gen1_rss_growth_mb": med("gen1_steady", "rss_growth_mb"),
         "ours_s_all": [round(max(r["ours_steady"]["wall_s"] for r in run), 3) for run in runs],
         "gen1_s_all": [round(max(r["gen1_steady"]["wall_s"] for r in run), 3) for run in runs],
