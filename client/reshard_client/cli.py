@@ -26,6 +26,21 @@ from rich.progress import (
 )
 from rich.table import Table
 
+# Options that `convert` and `submit` (cli_jobs.py) share, spelled once.
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
+    ),
+]
+OnlyOpt = Annotated[
+    list[str] | None,
+    typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
+]
+StripPrefixOpt = Annotated[
+    str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
+]
+
 app = typer.Typer(
     name="reshard",
     help="Inspect, verify and reshard PyTorch distributed checkpoints.",
@@ -205,19 +220,9 @@ def convert(
             "sha256 (those plus a whole-file sha256) or none."
         ),
     ] = "crc32c",
-    overwrite: Annotated[
-        bool,
-        typer.Option(
-            "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
-        ),
-    ] = False,
-    only: Annotated[
-        list[str] | None,
-        typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
-    ] = None,
-    strip_prefix: Annotated[
-        str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
-    ] = None,
+    overwrite: OverwriteOpt = False,
+    only: OnlyOpt = None,
+    strip_prefix: StripPrefixOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""

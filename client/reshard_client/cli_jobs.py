@@ -9,13 +9,26 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from reshard_client.cli import _bar, _fail, _parse_mesh, _parse_rules, _size, app, err, out
+from reshard_client.cli import (
+    OnlyOpt,
+    OverwriteOpt,
+    StripPrefixOpt,
+    _bar,
+    _fail,
+    _parse_mesh,
+    _parse_rules,
+    _size,
+    app,
+    err,
+    out,
+)
 
 UrlOpt = Annotated[str | None, typer.Option("--url", envvar="RESHARD_URL", help="Server URL.")]
 TokenOpt = Annotated[
     str | None,
     typer.Option("--token", envvar="RESHARD_TOKEN", help="Bearer token.", show_default=False),
 ]
+TableJsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 def _client(url: str | None, token: str | None) -> Any:
@@ -93,19 +106,9 @@ def submit(
     checksum: Annotated[
         str, typer.Option(help="What the output records: crc32c, sha256 or none.")
     ] = "crc32c",
-    overwrite: Annotated[
-        bool,
-        typer.Option(
-            "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
-        ),
-    ] = False,
-    only: Annotated[
-        list[str] | None,
-        typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
-    ] = None,
-    strip_prefix: Annotated[
-        str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
-    ] = None,
+    overwrite: OverwriteOpt = False,
+    only: OnlyOpt = None,
+    strip_prefix: StripPrefixOpt = None,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submit at most once per key.")
     ] = None,
@@ -159,7 +162,7 @@ def jobs(
     limit: Annotated[int, typer.Option(min=1, max=500)] = 50,
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_json: TableJsonOpt = False,
 ) -> None:
     """List jobs, newest first."""
     with _client(url, token) as client:
@@ -184,7 +187,7 @@ def status(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_json: TableJsonOpt = False,
 ) -> None:
     """Show one job: state, progress, error."""
     with _client(url, token) as client:
@@ -226,7 +229,7 @@ def cancel(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_json: TableJsonOpt = False,
 ) -> None:
     """Cancel a job (queued: at once; running: SIGTERM, then SIGKILL after a grace)."""
     with _client(url, token) as client:
@@ -238,7 +241,7 @@ def wait_cmd(
     job_id: Annotated[str, typer.Argument(help="Job id.")],
     url: UrlOpt = None,
     token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_json: TableJsonOpt = False,
 ) -> None:
     """Follow a job's progress until it ends; exit 1 unless it succeeded."""
     with _client(url, token) as client:
