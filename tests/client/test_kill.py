@@ -127,9 +127,9 @@ def _siblings(root: str, name: str) -> list[str]:
 
 
 def test_kill_local(tmp_path):
-    kill_at_random_points(str(tmp_path), points=20, seed=11)
+    kill_at_random_points(str(tmp_path), points=12, seed=11)
 
 
 @pytest.mark.s3
 def test_kill_s3(s3):
-    kill_at_random_points(s3, points=10, seed=12)
+    kill_at_random_points(s3, points=6, seed=12)

@@ -18,6 +18,13 @@ CASES = [
 ]
 
 
+def _world(mesh_shape):
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    return world
+
+
 def _check(mesh_shape, placements, shape):
     import torch
     import torch.distributed as dist
@@ -52,11 +59,27 @@ def _check(mesh_shape, placements, shape):
     return covered
 
 
+def _check_all(cases):
+    """Every case of one world size in one launch: (case, covered elements) or (case, error)."""
+    import torch.distributed as dist
+
+    out = []
+    for case in cases:
+        try:
+            out.append((case, _check(*case)))
+        except AssertionError as e:
+            out.append((case, f"mismatch: {e!r}"))
+        dist.barrier()
+    return out
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize(("mesh_shape", "placements", "shape"), CASES)
-def test_boxes_match_distribute_tensor(mesh_shape, placements, shape):
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    result = run(_check, world, mesh_shape, placements, shape)
+@pytest.mark.parametrize("world", sorted({_world(c[0]) for c in CASES}))
+def test_boxes_match_distribute_tensor(world):
+    cases = [c for c in CASES if _world(c[0]) == world]
+    result = run(_check_all, world, cases)
     assert set(result) == set(range(world))
+    for rank, per_case in result.items():
+        assert [c for c, _ in per_case] == cases
+        bad = [(c, r) for c, r in per_case if isinstance(r, str)]
+        assert not bad, f"rank {rank}: {bad}"
