@@ -1,7 +1,10 @@
 """Local folders: positioned reads into caller buffers, staging folder + rename commit.
 
 A save writes into ``.<name>.staging-<token>`` beside the target; commit writes the index
-there, then renames the folder into place. An existing checkpoint is first renamed to
+there, then renames the folder into place. Every data file is fsynced when it is closed,
+before the index can name it (as DCP's ``sync_files=True``), so a committed checkpoint
+survives a power loss; ``storage_options={"sync_files": False}`` or
+``RESHARD_SYNC_FILES=0`` trade that for speed (scratch copies, tmpfs). An existing checkpoint is first renamed to
 ``.<name>.old-<token>`` and deleted only after the new one is in place, so it is never
 destroyed before the new one commits.
 """
@@ -9,6 +12,7 @@ destroyed before the new one commits.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import mmap
 import os
@@ -17,7 +21,12 @@ import shutil
 from collections.abc import Collection, Sequence
 from typing import IO, Any
 
-from reshard_svc.errors import CheckpointError, CorruptCheckpointError, TargetExistsError
+from reshard_svc.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    TargetExistsError,
+    UsageError,
+)
 from reshard_svc.index import INDEX_NAME
 from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
 
@@ -36,6 +45,33 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
 
 
+def sync_files_default() -> bool:
+    """``RESHARD_SYNC_FILES`` (default on): fsync each data file before the commit."""
+    value = os.environ.get("RESHARD_SYNC_FILES", "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise UsageError(f"RESHARD_SYNC_FILES must be 1 or 0, got {value!r}")
+
+
+class DurableFile(io.FileIO):
+    """A data file that reaches the disk before it is closed (``fsync`` in ``close``).
+
+    ``discard`` closes without syncing: the file is abandoned with its staging folder.
+    """
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                os.fsync(self.fileno())
+            finally:
+                super().close()
+
+    def discard(self) -> None:
+        super().close()
+
+
 class LocalStorage(FsspecStorage):
     """A checkpoint folder on the local filesystem."""
 
@@ -43,8 +79,17 @@ class LocalStorage(FsspecStorage):
     latency_s = 5e-5
     bandwidth = 3e9
 
-    def __init__(self, uri: str, **kwargs: Any) -> None:
-        super().__init__(uri, **kwargs)
+    def __init__(
+        self, uri: str, storage_options: Any = None, *, sync_files: bool | None = None
+    ) -> None:
+        options = dict(storage_options or {})
+        sync = options.pop("sync_files", sync_files)
+        if sync is None:
+            sync = sync_files_default()
+        if not isinstance(sync, bool):
+            raise UsageError(f"storage option sync_files must be true or false, got {sync!r}")
+        super().__init__(uri, options)
+        self.sync_files = sync
         self.root = os.path.abspath(self.root) if self.root else os.getcwd()
 
     def read_into(self, name: str, start: int, out: memoryview) -> None:
@@ -136,6 +181,8 @@ class LocalStorage(FsspecStorage):
     def open_write(self, name: str) -> IO[bytes]:
         with translate_errors("write", self.path(name)):
             os.makedirs(self.root, exist_ok=True)
+            if self.sync_files:
+                return DurableFile(self.path(name), "wb")
             return open(self.path(name), "wb")  # noqa: SIM115 - caller closes
 
     def write(self, name: str, data: bytes) -> None:
@@ -172,7 +219,7 @@ class LocalStorage(FsspecStorage):
             raise CheckpointError(f"{self.root} exists and is not a folder: pick another target")
 
     def staging(self, token: str) -> LocalStorage:
-        return LocalStorage(self._sibling("staging", token))
+        return LocalStorage(self._sibling("staging", token), sync_files=self.sync_files)
 
     def commit(
         self,

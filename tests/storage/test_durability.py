@@ -1,0 +1,86 @@
+"""Every data file reaches the disk (fsync) before the index that names it is written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import reshard_svc
+from reshard_svc.errors import UsageError
+from reshard_svc.index import INDEX_NAME
+from reshard_svc.storage import LocalStorage, open_storage
+
+
+@pytest.fixture
+def journal(monkeypatch):
+    """The order of fsyncs (by path) and index writes in this process."""
+    monkeypatch.delenv("RESHARD_SYNC_FILES", raising=False)
+    events: list[tuple[str, str]] = []
+    real_fsync, real_write = os.fsync, LocalStorage.write
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else str(fd)
+        events.append(("fsync", path))
+        return real_fsync(fd)
+
+    def write(self, name, data):
+        if name == INDEX_NAME:
+            events.append(("index", self.path(name)))
+        return real_write(self, name, data)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(LocalStorage, "write", write)
+    return events
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i}.w": torch.randn(64, 32, generator=g) for i in range(3)}
+
+
+def _data_files_synced_before_index(events, uri):
+    names = set(reshard_svc.inspect(uri).files)
+    assert names, "the checkpoint has no data files"
+    index_at = next(i for i, (kind, _) in enumerate(events) if kind == "index")
+    synced = {os.path.basename(p) for kind, p in events[:index_at] if kind == "fsync"}
+    return names - synced
+
+
+def test_save_fsyncs_every_data_file_before_the_index(tmp_path, journal):
+    uri = str(tmp_path / "ck")
+    reshard_svc.save(_state(), uri)
+    assert _data_files_synced_before_index(journal, uri) == set()
+
+
+def test_convert_fsyncs_every_data_file_before_the_index(tmp_path, journal):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    reshard_svc.save(_state(), src, checksum="none")
+    journal.clear()
+    reshard_svc.convert(src, dst, mesh="tp=2", rules={"*": "S(0)"})
+    assert _data_files_synced_before_index(journal, dst) == set()
+
+
+def test_sync_files_off_skips_the_data_fsyncs(tmp_path, journal, monkeypatch):
+    state = _state()
+    reshard_svc.save(state, str(tmp_path / "a"), storage_options={"sync_files": False})
+    monkeypatch.setenv("RESHARD_SYNC_FILES", "0")
+    reshard_svc.save(state, str(tmp_path / "b"))
+    for uri in (tmp_path / "a", tmp_path / "b"):
+        assert _data_files_synced_before_index(
+            [e for e in journal if str(uri) in e[1] or e[0] == "index"], str(uri)
+        ) == set(reshard_svc.inspect(str(uri)).files)
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        reshard_svc.load(out, str(uri))
+        assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("bad", ["maybe", "2"])
+def test_bad_sync_setting_is_a_usage_error(tmp_path, monkeypatch, bad):
+    monkeypatch.setenv("RESHARD_SYNC_FILES", bad)
+    with pytest.raises(UsageError, match="RESHARD_SYNC_FILES"):
+        open_storage(str(tmp_path / "x"))
+    monkeypatch.delenv("RESHARD_SYNC_FILES")
+    with pytest.raises(UsageError, match="sync_files"):
+        open_storage(str(tmp_path / "x"), {"sync_files": bad})
