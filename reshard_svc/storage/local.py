@@ -2,9 +2,12 @@
 
 A save writes into ``.<name>.staging-<token>`` beside the target; commit writes the index
 there, then renames the folder into place. Every data file is fsynced when it is closed,
-before the index can name it (as DCP's ``sync_files=True``), so a committed checkpoint
-survives a power loss; ``storage_options={"sync_files": False}`` or
-``RESHARD_SYNC_FILES=0`` trade that for speed (scratch copies, tmpfs). An existing checkpoint is first renamed to
+before the index can name it (as DCP's ``sync_files=True``), and so are the index and the
+folders the commit renames, so a committed checkpoint survives a power loss.
+``storage_options={"sync_files": False}`` or ``RESHARD_SYNC_FILES=0`` skip every fsync
+(scratch copies): the commit stays atomic against killed processes, not against a crash
+of the machine. (On ext4 an fsync of the small index alone would flush most of the data
+written before it, so it is skipped too.) An existing checkpoint is first renamed to
 ``.<name>.old-<token>`` and deleted only after the new one is in place, so it is never
 destroyed before the new one commits.
 """
@@ -191,7 +194,8 @@ class LocalStorage(FsspecStorage):
             with open(self.path(name), "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                if self.sync_files:
+                    os.fsync(f.fileno())
 
     # ---- commit protocol
 
@@ -231,7 +235,8 @@ class LocalStorage(FsspecStorage):
         """Write the index into the staging folder (the commit is now decided), move the
         target's foreign files (those not in ``replaced``) into it, and swap folders."""
         staging.write(index_name, index_bytes)
-        _fsync_dir(staging.root)
+        if self.sync_files:
+            _fsync_dir(staging.root)
         token = os.path.basename(staging.root).rsplit("staging-", 1)[-1]
         self.finish_commit(token, set(replaced) | {index_name}, strict=True)
 
@@ -255,10 +260,12 @@ class LocalStorage(FsspecStorage):
                     for n in foreign:
                         if n not in new:
                             os.rename(os.path.join(self.root, n), os.path.join(staging, n))
-                    _fsync_dir(staging)
+                    if self.sync_files:
+                        _fsync_dir(staging)
                     os.rename(self.root, old)
                 os.rename(staging, self.root)
-                _fsync_dir(os.path.dirname(self.root))
+                if self.sync_files:
+                    _fsync_dir(os.path.dirname(self.root))
         return self._drop_old(old, replaced)
 
     def _drop_old(self, old: str, replaced: set[str] | None) -> list[str]:
