@@ -35,6 +35,17 @@ def bench_parser(doc: str, default_dir: str) -> argparse.ArgumentParser:
     return ap
 
 
+def add_variants(ap: argparse.ArgumentParser, variants: str) -> None:
+    """``--variants all|defaults``: every variant, or our defaults and the baselines only
+    (a quicker run of the same code paths: the smoke runs use it)."""
+    ap.add_argument(
+        "--variants",
+        choices=["all", "defaults"],
+        default="all",
+        help=f"all: {variants}; defaults: our default settings and the baselines only",
+    )
+
+
 def llama(size: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, kind); kind is col (TP Shard(0)), row (TP Shard(1)) or norm."""
     c = SIZES[size]

@@ -72,13 +72,7 @@ def main() -> None:
         "--system", choices=["ours", "ours-none", "ours-direct", "dcp"], help=argparse.SUPPRESS
     )
     ap.add_argument("--op", choices=["save", "tp", "rep"], help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--variants",
-        choices=["all", "defaults"],
-        default="all",
-        help="all: ours (crc32c), ours-none, ours-direct and dcp; defaults: ours and dcp only "
-        "(a quicker run of the same code paths)",
-    )
+    common.add_variants(ap, "ours (crc32c), ours-none, ours-direct and dcp")
     args = ap.parse_args()
     if args.worker:
         return worker(args)

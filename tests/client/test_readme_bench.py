@@ -35,7 +35,7 @@ def smoke_flags(script: str, scratch: Path) -> list[str]:
         return ["--layers", "2", "--torch-ranks", "1"]
     if script == "bench/transfer.py":
         return ["--size", "small", "--runs", "1"]
-    if script == "bench/save_load.py":  # ours and DCP only: the variants are the same code
+    if script in ("bench/save_load.py", "bench/convert.py"):  # the variants: same code
         return ["--size", "small", "--runs", "1", "--variants", "defaults", "--dir", str(scratch)]
     if script == "bench/cli_convert.py":
         return ["--size", "small", "--runs", "1", "--dirs", str(scratch)]
