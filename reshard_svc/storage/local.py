@@ -61,7 +61,8 @@ def sync_files_default() -> bool:
 class DurableFile(io.FileIO):
     """A data file that reaches the disk before it is closed (``fsync`` in ``close``).
 
-    ``discard`` closes without syncing: the file is abandoned with its staging folder.
+    ``discard`` (and dropping the file unclosed) closes without syncing: the file is
+    abandoned with its staging folder.
     """
 
     def close(self) -> None:
@@ -73,6 +74,11 @@ class DurableFile(io.FileIO):
 
     def discard(self) -> None:
         super().close()
+
+    def __del__(self) -> None:
+        # Dropped without close(): an abandoned file (a failed or interrupted write) is
+        # not worth a sync, and a Ctrl-C landing in one would print from the finalizer.
+        self.discard()
 
 
 class LocalStorage(FsspecStorage):

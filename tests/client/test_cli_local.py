@@ -159,6 +159,7 @@ def _workers_of(launcher: int) -> list[int]:
 
 
 def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
+    import functools
     import signal
     import subprocess
     import sys
@@ -171,6 +172,9 @@ def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
         [sys.executable, "-m", "reshard_client.cli", "convert", src, str(dst), "--mesh", "tp=2",
          "--rules", '{"*": "S(0)"}', "--workers", "2", "--max-memory", "64KiB"],
         stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # as from a terminal: a runner that started us in the background (SIGINT ignored,
+        # which children inherit) must not turn Ctrl-C into a no-op for the CLI
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
     )  # fmt: skip
     # Interrupt once the workers run (a Ctrl-C while the interpreter is still importing
     # is Python's own business), however slow this machine is at the moment.

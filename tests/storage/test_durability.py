@@ -75,6 +75,25 @@ def test_sync_files_off_skips_every_fsync(tmp_path, journal, monkeypatch):
         assert all(torch.equal(out[k], state[k]) for k in state)
 
 
+def test_an_abandoned_file_is_closed_without_a_sync(tmp_path, journal):
+    import gc
+
+    storage = open_storage(str(tmp_path / "x"))
+    f = storage.open_write("a.safetensors")
+    f.write(b"partial")
+    fd = f.fileno()
+    del f
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    g = storage.open_write("b.safetensors")
+    g.discard()
+    assert journal == []
+    h = storage.open_write("c.safetensors")
+    h.close()
+    assert [os.path.basename(p) for _, p in journal] == ["c.safetensors"]
+
+
 @pytest.mark.parametrize("bad", ["maybe", "2"])
 def test_bad_sync_setting_is_a_usage_error(tmp_path, monkeypatch, bad):
     monkeypatch.setenv("RESHARD_SYNC_FILES", bad)
