@@ -36,14 +36,38 @@ class OutputPlan:
 
 
 def assign_files(files: list[FileSpec], workers: int) -> list[FileSpec]:
-    """Each output file gets one writer worker, balancing bytes (deterministic)."""
-    load = [0] * workers
-    out = []
-    for spec in sorted(files, key=lambda f: (-f.size, f.name)):
-        w = min(range(workers), key=lambda r: (load[r], r))
-        load[w] += spec.size
-        out.append(FileSpec(spec.name, w, spec.entries, spec.header, spec.size))
-    return sorted(out, key=lambda f: f.name)
+    """Each output file gets one writer worker: runs of consecutive files (in name order,
+    which is mesh-rank order) go to the same worker, cut where the largest worker's bytes
+    are the smallest a contiguous split allows (deterministic).
+
+    Neighbouring target ranks come from the same source ranks (TP=2 -> TP=4: targets 0
+    and 1 are halves of source 0), so a worker reads each source byte it needs once; an
+    interleaved assignment would have both workers read every column-split source band.
+    """
+    ordered = sorted(files, key=lambda f: f.name)
+    sizes = [f.size for f in ordered]
+
+    def cut(cap: int) -> list[int]:
+        """Worker of each file, filling each worker up to ``cap`` bytes in order."""
+        owner, w, load = [], 0, 0
+        for n in sizes:
+            if load and load + n > cap:
+                w, load = w + 1, 0
+            owner.append(w)
+            load += n
+        return owner
+
+    lo, hi = max(sizes, default=0), sum(sizes)
+    while lo < hi:  # the smallest cap that needs at most `workers` runs
+        mid = (lo + hi) // 2
+        if (cut(mid)[-1] if sizes else 0) < workers:
+            hi = mid
+        else:
+            lo = mid + 1
+    return [
+        FileSpec(f.name, w, f.entries, f.header, f.size)
+        for f, w in zip(ordered, cut(lo), strict=True)
+    ]
 
 
 def plan_native(
