@@ -6,6 +6,8 @@ no process group; the runtime (``save``, ``load``, ``convert``, ``transfer``) ru
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
 from reshard_svc.errors import (  # noqa: E402
     CheckpointError,
     CorruptCheckpointError,
@@ -22,15 +24,62 @@ from reshard_svc.errors import (  # noqa: E402
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from reshard_svc.index import CheckpointIndex
-from reshard_svc.inspection import VerifyReport, inspect, read_blob, verify
-from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
-from reshard_svc.runtime.async_save import AsyncSaver, async_save
-from reshard_svc.runtime.convert import ConvertResult, convert
-from reshard_svc.runtime.load import LoadStats, load
-from reshard_svc.runtime.save import save
-from reshard_svc.runtime.transfer import PlanCache, TransferResult, transfer
-from reshard_svc.transfer_plan import Cat
+
+#: Public name -> the module that defines it. Imported on first use (PEP 562), so that
+#: ``import reshard_svc.jobspec`` (the CLI's ``--help``, the client, the control plane)
+#: does not pay for importing torch.
+_LAZY = {
+    "CheckpointIndex": "reshard_svc.index",
+    "VerifyReport": "reshard_svc.inspection",
+    "inspect": "reshard_svc.inspection",
+    "read_blob": "reshard_svc.inspection",
+    "verify": "reshard_svc.inspection",
+    "Box": "reshard_svc.layout",
+    "Layout": "reshard_svc.layout",
+    "Mesh": "reshard_svc.layout",
+    "Replicate": "reshard_svc.layout",
+    "Shard": "reshard_svc.layout",
+    "StridedShard": "reshard_svc.layout",
+    "WriteItem": "reshard_svc.layout",
+    "AsyncSaver": "reshard_svc.runtime.async_save",
+    "async_save": "reshard_svc.runtime.async_save",
+    "ConvertResult": "reshard_svc.runtime.convert",
+    "convert": "reshard_svc.runtime.convert",
+    "LoadStats": "reshard_svc.runtime.load",
+    "load": "reshard_svc.runtime.load",
+    "save": "reshard_svc.runtime.save",
+    "PlanCache": "reshard_svc.runtime.transfer",
+    "TransferResult": "reshard_svc.runtime.transfer",
+    "transfer": "reshard_svc.runtime.transfer",
+    "Cat": "reshard_svc.transfer_plan",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reshard_svc' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+if TYPE_CHECKING:
+    from reshard_svc.index import CheckpointIndex
+    from reshard_svc.inspection import VerifyReport, inspect, read_blob, verify
+    from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
+    from reshard_svc.runtime.async_save import AsyncSaver, async_save
+    from reshard_svc.runtime.convert import ConvertResult, convert
+    from reshard_svc.runtime.load import LoadStats, load
+    from reshard_svc.runtime.save import save
+    from reshard_svc.runtime.transfer import PlanCache, TransferResult, transfer
+    from reshard_svc.transfer_plan import Cat
 
 __all__ = [
     "AsyncSaver",
