@@ -1,0 +1,29 @@
+"""The CLI's ``--help``/``--version``, the client and the job schemas import without torch
+(seconds per command otherwise); the library's names still resolve, lazily."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_cli_client_and_schemas_do_not_import_torch():
+    code = (
+        "import sys, reshard_client.cli, reshard_client, reshard_server.schemas, "
+        "reshard_svc.jobspec, reshard_svc; print(sorted(m for m in sys.modules "
+        "if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names_resolve_and_unknown_ones_raise():
+    import pytest
+
+    import reshard_svc
+
+    for name in reshard_svc.__all__:
+        assert getattr(reshard_svc, name) is not None, name
+    assert set(reshard_svc.__all__) <= set(dir(reshard_svc))
+    with pytest.raises(AttributeError, match="no_such_name"):
+        reshard_svc.no_such_name  # noqa: B018
