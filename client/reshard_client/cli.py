@@ -303,7 +303,6 @@ def _convert_with_torchrun(spec: Any, progress_file: str, bar: Any, task: Any) -
     import signal
     import subprocess
     import tempfile
-    import time
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={spec.workers}", "-m", "reshard_svc.worker",
@@ -320,7 +319,8 @@ def _convert_with_torchrun(spec: Any, progress_file: str, bar: Any, task: Any) -
             while proc.poll() is None:
                 _show(bar, task, progress_file)
                 warnings.echo()
-                time.sleep(0.2)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(0.2)  # returns as soon as torchrun exits
             warnings.echo()
         except KeyboardInterrupt:
             # torchrun stops its workers on SIGINT (a terminal sends it to the whole
