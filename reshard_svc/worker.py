@@ -14,6 +14,7 @@ any commit.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -79,10 +80,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(spec: ConvertSpec, reporter: EventReporter) -> int:
     """Join the process group (NCCL with GPUs, else gloo), convert, report; 0 once committed."""
-    import torch
-    import torch.distributed as dist
+    # What is imported here (torch: hundreds of thousands of objects) lives until exit.
+    # Collecting during the import is wasted work, and afterwards the collector should not
+    # walk it again in every full collection: import with collection off, then freeze.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        import torch
+        import torch.distributed as dist
 
-    from reshard_svc.runtime.convert import convert
+        from reshard_svc.runtime.convert import convert
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
 
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) >= 1
     if distributed and not dist.is_initialized():
