@@ -28,6 +28,7 @@ from reshard_svc.errors import ChecksumError, CorruptCheckpointError, UsageError
 __all__ = [
     "ALGORITHMS",
     "DEFAULT_BLOCK_SIZE",
+    "BlockStream",
     "BlockTable",
     "FileChecksummer",
     "check_algorithm",
@@ -147,30 +148,14 @@ class BlockTable:
         The bytes may start or end inside a block only if that block is already in
         ``done`` (checked by an earlier read): its part here is skipped.
         """
-        bs = self.block_size
-        if start % bs and (done is None or start // bs not in done):
-            raise ValueError(f"unaligned block check at {start}")  # a bug, not bad input
-        pos, crc, checked = start, 0, 0
+        stream = self.stream(start, done)
         for piece in pieces:
-            view = memoryview(piece).cast("B")
-            off, n = 0, view.nbytes
-            while off < n:
-                block = pos // bs
-                take = min(n - off, (block + 1) * bs - pos)
-                if done is None or block not in done:
-                    crc = crc32c(view[off : off + take], crc)
-                off += take
-                pos += take
-                if pos % bs == 0 or pos == self.size:
-                    if done is None or block not in done:
-                        self._compare(block, crc)
-                        checked += min(self.size, (block + 1) * bs) - block * bs
-                        if done is not None:
-                            done.add(block)
-                    crc = 0
-        if pos % bs and pos != self.size and (done is None or pos // bs not in done):
-            raise ValueError("pieces end inside a block")  # a bug, not bad input
-        return checked
+            stream.update(piece)
+        return stream.close()
+
+    def stream(self, start: int, done: set[int] | None = None) -> BlockStream:
+        """A :class:`BlockStream` over this file's bytes from ``start``."""
+        return BlockStream(self, start, done)
 
     def _compare(self, block: int, got: int) -> None:
         want = self.crcs[block]
@@ -235,3 +220,54 @@ class FileChecksummer:
         if self._sha is not None:
             out["sha256"] = self._sha.hexdigest()
         return out
+
+
+class BlockStream:
+    """Checks a file's bytes fed in order, piece by piece, as they are read.
+
+    Each block is compared as soon as its last byte arrives, so a reader can check small
+    pieces while they are still in cache. The bytes may start or end inside a block only
+    if that block is already in ``done`` (checked by an earlier read): its part here is
+    skipped. Checked blocks are added to ``done``.
+    """
+
+    def __init__(self, table: BlockTable, start: int, done: set[int] | None = None) -> None:
+        bs = table.block_size
+        if start % bs and (done is None or start // bs not in done):
+            raise ValueError(f"unaligned block check at {start}")  # a bug, not bad input
+        self.table, self.done = table, done
+        self.pos, self.crc, self.checked = start, 0, 0
+
+    def update(self, data: Any) -> None:
+        """Feed the next bytes; raises :class:`ChecksumError` when a block they end fails."""
+        table, done = self.table, self.done
+        bs = table.block_size
+        view = memoryview(data).cast("B")
+        off, n = 0, view.nbytes
+        while off < n:
+            block = self.pos // bs
+            take = min(n - off, (block + 1) * bs - self.pos)
+            fresh = done is None or block not in done
+            if fresh:
+                self.crc = crc32c(view[off : off + take] if take < n else view, self.crc)
+            off += take
+            self.pos += take
+            if self.pos % bs == 0 or self.pos == table.size:
+                if fresh:
+                    table._compare(block, self.crc)
+                    self.checked += min(table.size, (block + 1) * bs) - block * bs
+                    if done is not None:
+                        done.add(block)
+                self.crc = 0
+
+    def close(self) -> int:
+        """The bytes of the blocks this stream checked; the bytes must end on a block
+        boundary (or the file's end) unless that block is in ``done``."""
+        bs, pos = self.table.block_size, self.pos
+        if (
+            pos % bs
+            and pos != self.table.size
+            and (self.done is None or pos // bs not in self.done)
+        ):
+            raise ValueError("pieces end inside a block")  # a bug, not bad input
+        return self.checked

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard_svc.checksums import BlockTable
+from reshard_svc.checksums import BlockStream, BlockTable
 from reshard_svc.errors import CorruptCheckpointError
 from reshard_svc.read_plan import Part, Read
 from reshard_svc.runtime.buffers import tensor_runs
@@ -29,8 +29,13 @@ __all__ = ["CheckedReader", "WaveReader", "as_bytes", "read_bands"]
 #: Small reads of one file coalesce into mapped spans up to this size: big enough to share
 #: edge blocks, small enough that one slab waiting for its write keeps little else mapped.
 MAX_SPAN = 8 * 1024 * 1024
-#: Reads checked in place need runs at least this long on average (else: memory map + copy).
+#: Reads checked in place need runs at least this long on average (else: memory map + copy;
+#: measured on 2 KiB rows, mapping, checking and copying beat staging through a buffer).
 MIN_CHECKED_RUN = 64 * 1024
+#: Checked bytes land in pieces of about this size, each checked right after it lands,
+#: while still in cache (CRC32C then runs near 22 GB/s, against 13 from memory; smaller
+#: pieces read slower).
+CHUNK = 1024 * 1024
 
 
 def read_bands(storage: Storage, ranges: list[tuple[str, int, int]]) -> list[torch.Tensor]:
@@ -196,8 +201,10 @@ class WaveReader:
         if not own:
             return None
         view = self.dest.view(own[0])
-        runs = tensor_runs(view) if view is not None else None
-        if view is None or runs is None or view.dtype != self.dtypes[r.tensor]:
+        if view is None or view.dtype != self.dtypes[r.tensor]:
+            return None
+        runs = tensor_runs(view)
+        if runs is None:
             return None
         if table is not None and len(runs) > 2 + r.nbytes // MIN_CHECKED_RUN:
             return None  # short rows: checking row by row costs more than map and copy
@@ -208,15 +215,20 @@ class WaveReader:
     ) -> torch.Tensor:
         """Read ``r`` straight into its destination (``preadv``).
 
-        With a block table, every block the read touches is checked: the whole ones right
-        after they land (still in cache), a partial one at either edge through the
-        page-cache map. A mismatch raises before any wave hook or caller sees the bytes.
+        With a block table, every block the read touches is checked: the bytes are read
+        in cache-sized pieces, each checked right after it lands; a partial block at
+        either edge is checked through the page-cache map. A mismatch raises before any
+        wave hook or caller sees the bytes.
         """
         table = self.checked.tables.get(r.file)
         if table is None:
             self.storage.read_runs(r.file, r.begin, runs)
         else:
-            newly = self._check_edges(r, table) + self._read_checked_blocks(r, table, runs)
+            newly = self._check_edges(r, table)
+            stream = table.stream(r.begin, self.checked.done.setdefault(r.file, set()))
+            with self.storage.positional(r.file) as readv:
+                _land_checked(readv, stream, r.begin, runs)
+            newly += stream.close()
             self.checked.bytes_checked += newly
             self.checked.bytes_fetched += newly  # local: each block read once, wholly
         self.direct.add(part)
@@ -233,21 +245,23 @@ class WaveReader:
                 newly += table.check(lo, self.storage.read_view(r.file, lo, hi), done)
         return newly
 
-    def _read_checked_blocks(self, r: Read, table: BlockTable, runs: list[Any]) -> int:
-        """``preadv`` ``r`` into ``runs`` one block at a time, checking each at once."""
-        done = self.checked.done.setdefault(r.file, set())
-        bs, newly = table.block_size, 0
-        pos, batch, start = r.begin, [], r.begin
-        for run in runs:
-            off = 0
-            while off < run.nbytes:
-                stop = min(table.size, (pos // bs + 1) * bs)
-                take = min(run.nbytes - off, stop - pos)
-                batch.append(run[off : off + take])
-                off += take
-                pos += take
-                if pos == stop or pos == r.end:
-                    self.storage.read_runs(r.file, start, batch)
-                    newly += table.check_pieces(start, batch, done)
-                    batch, start = [], pos
-        return newly
+
+def _land_checked(readv: Any, stream: BlockStream, start: int, runs: list[Any]) -> None:
+    """``preadv`` consecutive bytes from ``start`` into ``runs`` about :data:`CHUNK` at a
+    time, checking each batch as soon as it lands."""
+    pos, batch, size = start, [], 0
+    for run in runs:
+        view = memoryview(run).cast("B")
+        for off in range(0, view.nbytes, CHUNK):
+            piece = view[off : off + CHUNK]
+            batch.append(piece)
+            size += piece.nbytes
+            if size >= CHUNK:
+                readv(pos, batch)
+                for p in batch:
+                    stream.update(p)
+                pos, batch, size = pos + size, [], 0
+    if batch:
+        readv(pos, batch)
+        for p in batch:
+            stream.update(p)

@@ -22,7 +22,8 @@ run or ``reshard gc`` can tell a dead run's leftovers (``collect_run``) from a l
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager
 from typing import IO, Any, Protocol, runtime_checkable
 
 from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, FileChecksummer
@@ -80,6 +81,12 @@ class Storage(Protocol):
     def read_runs(self, name: str, start: int, runs: Sequence[memoryview]) -> None:
         """Fill writable byte buffers ``runs``, in order, from consecutive bytes at ``start``
         (locally one ``preadv``: the bytes land in place)."""
+        ...
+
+    def positional(
+        self, name: str
+    ) -> AbstractContextManager[Callable[[int, Sequence[memoryview]], None]]:
+        """The file held open for many reads: ``readv(start, runs)`` as :meth:`read_runs`."""
         ...
 
     def open_write(self, name: str) -> IO[bytes]: ...

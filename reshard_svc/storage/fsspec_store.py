@@ -8,10 +8,11 @@ the previous checkpoint (its index and its files) stays whole and readable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import fsspec
@@ -170,6 +171,11 @@ class FsspecStorage:
         for r in runs:
             r.cast("B")[:] = data[at : at + r.nbytes]
             at += r.nbytes
+
+    @contextlib.contextmanager
+    def positional(self, name: str) -> Iterator[Callable[[int, Sequence[memoryview]], None]]:
+        """Many reads of one file: ``readv(start, runs)``, one ranged read each."""
+        yield functools.partial(self.read_runs, name)
 
     def open_write(self, name: str) -> IO[bytes]:
         with translate_errors("write", self.path(name)):

@@ -15,13 +15,14 @@ destroyed before the new one commits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import mmap
 import os
 import re
 import shutil
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import IO, Any
 
 from reshard_svc.errors import (
@@ -102,21 +103,7 @@ class LocalStorage(FsspecStorage):
         self.root = os.path.abspath(self.root) if self.root else os.getcwd()
 
     def read_into(self, name: str, start: int, out: memoryview) -> None:
-        path = self.path(name)
-        with translate_errors("read", path):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                pos, n = 0, out.nbytes
-                while pos < n:
-                    got = os.preadv(fd, [out[pos:]], start + pos)
-                    if got == 0:
-                        raise CorruptCheckpointError(
-                            f"{path} is truncated: reading [{start}, {start + n}) hit the "
-                            f"end of the file after {pos} bytes"
-                        )
-                    pos += got
-            finally:
-                os.close(fd)
+        self.read_runs(name, start, [out])
 
     def read_view(self, name: str, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` as a read-only memory map of the page cache (no copy).
@@ -150,32 +137,17 @@ class LocalStorage(FsspecStorage):
         One ``preadv`` per ``IOV_MAX`` buffers: bytes land straight in their destination
         (e.g. the rows of a strided tensor view) with no staging copy.
         """
+        with self.positional(name) as readv:
+            readv(start, runs)
+
+    @contextlib.contextmanager
+    def positional(self, name: str) -> Iterator[Callable[[int, Sequence[memoryview]], None]]:
+        """The file held open for many :meth:`read_runs`-style reads: ``readv(start, runs)``."""
         path = self.path(name)
-        iov_max = 1024
         with translate_errors("read", path):
             fd = os.open(path, os.O_RDONLY)
             try:
-                pos = start
-                pending = [r for r in runs if r.nbytes]
-                while pending:
-                    batch = pending[:iov_max]
-                    want = sum(r.nbytes for r in batch)
-                    got = os.preadv(fd, batch, pos)
-                    if got == 0:
-                        raise CorruptCheckpointError(
-                            f"{path} is truncated: reading at {pos} hit the end of the file"
-                        )
-                    pos += got
-                    if got == want:
-                        pending = pending[len(batch) :]
-                        continue
-                    # Short read: drop what was filled, resume inside the partial buffer.
-                    done = 0
-                    while done + batch[0].nbytes <= got:
-                        done += batch[0].nbytes
-                        batch.pop(0)
-                        pending.pop(0)
-                    pending[0] = pending[0][got - done :]
+                yield functools.partial(_preadv_all, fd, path)
             finally:
                 os.close(fd)
 
@@ -387,3 +359,30 @@ class LocalStorage(FsspecStorage):
                 if not dry_run:
                     with translate_errors("roll back", self.root):
                         os.rename(old, self.root)
+
+
+def _preadv_all(fd: int, path: str, start: int, runs: Sequence[memoryview]) -> None:
+    """Fill ``runs`` in order from ``fd`` at ``start``: ``preadv`` per ``IOV_MAX`` buffers,
+    resuming after short reads; the end of the file first is a typed error."""
+    iov_max = 1024
+    pos = start
+    pending = [r for r in runs if r.nbytes]
+    while pending:
+        batch = pending[:iov_max]
+        want = sum(r.nbytes for r in batch)
+        got = os.preadv(fd, batch, pos)
+        if got == 0:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: reading at {pos} hit the end of the file"
+            )
+        pos += got
+        if got == want:
+            pending = pending[len(batch) :]
+            continue
+        # Short read: drop what was filled, resume inside the partial buffer.
+        done = 0
+        while done + batch[0].nbytes <= got:
+            done += batch[0].nbytes
+            batch.pop(0)
+            pending.pop(0)
+        pending[0] = pending[0][got - done :]
