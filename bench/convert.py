@@ -1,10 +1,10 @@
-"""Convert a Llama-shaped TP=4 bf16 checkpoint (~2.7 GB) to TP=2 and to one HF folder.
+"""Convert a Llama-shaped TP=4 bf16 checkpoint (~2.7 GB) to TP=2, TP=8 and one HF folder.
 
 Same run, interleaved, fresh processes per operation:
   * ``cp -r`` of the source folder — the I/O floor;
-  * reshard_svc convert TP=4 -> TP=2 (output checksums crc32c, the default, and sha256 and
-    none) and -> HF, on 2 gloo workers; every source block read is checked against its
-    CRC32C in all variants;
+  * reshard_svc convert TP=4 -> TP=2 (a merge; output checksums crc32c, the default, and
+    sha256 and none), -> TP=8 (a split: 8 files from 2 workers) and -> HF, on 2 gloo
+    workers; every source block read is checked against its CRC32C in all variants;
   * torch DCP written the way a user would: 2 ranks build the TP=2 model, ``dcp.load``
     the TP=4 DCP checkpoint, ``dcp.save`` it (and, for HF, save through
     ``HuggingFaceStorageWriter`` with consolidation).
@@ -59,6 +59,12 @@ def worker(args: argparse.Namespace) -> None:
                 checksum=args.op.rsplit("-", 1)[1],
             )
         )
+    elif args.op == "ours-tp8":
+        res = common.timed(
+            lambda: reshard_svc.convert(
+                f"{d}/src", f"{d}/out-ours-tp8", mesh="tp=8", max_memory=args.max_memory
+            )
+        )
     elif args.op == "ours-hf":
         res = common.timed(
             lambda: reshard_svc.convert(
@@ -103,7 +109,10 @@ def cp_floor(src: str, dst: str) -> dict:
     }
 
 
-OPS = ("cp", "ours-tp2", "ours-tp2-sha256", "ours-tp2-none", "dcp-tp2", "ours-hf", "dcp-hf")
+OPS = (
+    "cp", "ours-tp2", "ours-tp2-sha256", "ours-tp2-none", "dcp-tp2", "ours-tp8", "ours-hf",
+    "dcp-hf",
+)  # fmt: skip
 #: the other checksum settings, left out by ``--variants defaults``
 VARIANTS = ("ours-tp2-sha256", "ours-tp2-none")
 
@@ -155,6 +164,7 @@ def main() -> None:
     for op in VARIANTS:
         if op in stats:
             summary[f"{op.replace('-', '_')}_over_cp"] = round(stats[op]["wall_s"] / cp, 2)
+    summary["ours_tp8_over_cp"] = round(stats["ours-tp8"]["wall_s"] / cp, 2)
     summary["ours_hf_over_cp"] = round(stats["ours-hf"]["wall_s"] / cp, 2)
     summary["ours_tp2_over_dcp"] = round(
         stats["ours-tp2"]["wall_s"] / stats["dcp-tp2"]["wall_s"], 2
