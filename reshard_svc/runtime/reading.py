@@ -161,6 +161,7 @@ class WaveReader:
         self.checked = CheckedReader(storage, tables, mapped=self.local)
         self.check_in_place = check_in_place
         self.direct: set[Part] = set()
+        self._edge_buf: bytearray | None = None
 
     def read(self, mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
         """This rank's reads of one wave, in order, as tensors of each read's box."""
@@ -216,34 +217,42 @@ class WaveReader:
         """Read ``r`` straight into its destination (``preadv``).
 
         With a block table, every block the read touches is checked: the bytes are read
-        in cache-sized pieces, each checked right after it lands; a partial block at
-        either edge is checked through the page-cache map. A mismatch raises before any
-        wave hook or caller sees the bytes.
+        in cache-sized pieces, each checked right after it lands. A block the read starts
+        or ends inside is completed from the file into a small buffer (unless a
+        neighbouring read checked it already), so it is checked in the same pass. A
+        mismatch raises before any wave hook or caller sees the bytes.
         """
         table = self.checked.tables.get(r.file)
         if table is None:
             self.storage.read_runs(r.file, r.begin, runs)
-        else:
-            newly = self._check_edges(r, table)
-            stream = table.stream(r.begin, self.checked.done.setdefault(r.file, set()))
-            with self.storage.positional(r.file) as readv:
-                _land_checked(readv, stream, r.begin, runs)
-            newly += stream.close()
-            self.checked.bytes_checked += newly
-            self.checked.bytes_fetched += newly  # local: each block read once, wholly
+            self.direct.add(part)
+            return view
+        done = self.checked.done.setdefault(r.file, set())
+        bs = table.block_size
+        head = r.begin - r.begin % bs if r.begin // bs not in done else r.begin
+        tail = r.end
+        if r.end % bs and r.end != table.size and r.end // bs not in done:
+            tail = min(table.size, (r.end // bs + 1) * bs)
+        stream = table.stream(head, done)
+        with self.storage.positional(r.file) as readv:
+            if head < r.begin:
+                stream.update(self._edge(readv, head, r.begin))
+            _land_checked(readv, stream, r.begin, runs)
+            if tail > r.end:
+                stream.update(self._edge(readv, r.end, tail))
+        newly = stream.close()
+        self.checked.bytes_checked += newly
+        self.checked.bytes_fetched += newly  # local: each block read once, wholly
         self.direct.add(part)
         return view
 
-    def _check_edges(self, r: Read, table: BlockTable) -> int:
-        """Check the partial blocks at either edge of ``r`` through the page-cache map
-        (shared with the neighbouring reads, so each is checked once)."""
-        done = self.checked.done.setdefault(r.file, set())
-        bs, newly = table.block_size, 0
-        for b in {r.begin // bs, (r.end - 1) // bs}:
-            lo, hi = b * bs, min(table.size, (b + 1) * bs)
-            if b not in done and (lo < r.begin or hi > r.end):
-                newly += table.check(lo, self.storage.read_view(r.file, lo, hi), done)
-        return newly
+    def _edge(self, readv: Any, begin: int, end: int) -> memoryview:
+        """Bytes ``[begin, end)`` (the rest of an edge block) in a reused buffer."""
+        if self._edge_buf is None or len(self._edge_buf) < end - begin:
+            self._edge_buf = bytearray(end - begin)
+        buf = memoryview(self._edge_buf)[: end - begin]
+        readv(begin, [buf])
+        return buf
 
 
 def _land_checked(readv: Any, stream: BlockStream, start: int, runs: list[Any]) -> None:
