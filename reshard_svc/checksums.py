@@ -141,18 +141,6 @@ class BlockTable:
                 done.add(first + i)
         return checked
 
-    def check_pieces(self, start: int, pieces: Sequence[Any], done: set[int] | None = None) -> int:
-        """Like :meth:`check` for bytes read from ``start`` into several buffers in order
-        (a block may straddle buffers: its CRC is carried from one to the next).
-
-        The bytes may start or end inside a block only if that block is already in
-        ``done`` (checked by an earlier read): its part here is skipped.
-        """
-        stream = self.stream(start, done)
-        for piece in pieces:
-            stream.update(piece)
-        return stream.close()
-
     def stream(self, start: int, done: set[int] | None = None) -> BlockStream:
         """A :class:`BlockStream` over this file's bytes from ``start``."""
         return BlockStream(self, start, done)

@@ -83,9 +83,11 @@ def test_stream_refuses_to_start_or_end_inside_an_unchecked_block():
         stream.close()
 
 
-def test_check_pieces_matches_check():
+def test_stream_over_pieces_matches_check():
     data = os.urandom(3 * BS + 5)
     t = table(data)
     whole = t.check(0, data, set())
-    pieces = t.check_pieces(0, cut(data, [1, BS + 3, 2 * BS]), set())
-    assert whole == pieces == len(data)
+    stream = t.stream(0, set())
+    for piece in cut(data, [1, BS + 3, 2 * BS]):
+        stream.update(piece)
+    assert whole == stream.close() == len(data)
