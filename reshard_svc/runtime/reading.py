@@ -258,19 +258,20 @@ class WaveReader:
 def _land_checked(readv: Any, stream: BlockStream, start: int, runs: list[Any]) -> None:
     """``preadv`` consecutive bytes from ``start`` into ``runs`` about :data:`CHUNK` at a
     time, checking each batch as soon as it lands."""
-    pos, batch, size = start, [], 0
-    for run in runs:
-        view = memoryview(run).cast("B")
-        for off in range(0, view.nbytes, CHUNK):
-            piece = view[off : off + CHUNK]
-            batch.append(piece)
-            size += piece.nbytes
-            if size >= CHUNK:
-                readv(pos, batch)
-                for p in batch:
-                    stream.update(p)
-                pos, batch, size = pos + size, [], 0
-    if batch:
+    pos, batch = start, list[memoryview]()
+
+    def flush() -> int:
         readv(pos, batch)
         for p in batch:
             stream.update(p)
+        return sum(p.nbytes for p in batch)
+
+    for run in runs:
+        view = memoryview(run).cast("B")
+        for off in range(0, view.nbytes, CHUNK):
+            batch.append(view[off : off + CHUNK])
+            if sum(p.nbytes for p in batch) >= CHUNK:
+                pos += flush()
+                batch = []
+    if batch:
+        flush()
