@@ -31,6 +31,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import reshard_svc
 
+    common.import_reshard()
     dist.init_process_group("gloo")
     sd = common.build(args.size, "tp", fill=True)
     d = args.dir

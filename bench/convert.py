@@ -35,6 +35,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import reshard_svc
 
+    common.import_reshard()
     dist.init_process_group("gloo")
     d = args.dir
     common.reset_peak()
