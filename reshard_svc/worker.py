@@ -14,7 +14,6 @@ any commit.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 from reshard_svc.callback import EventReporter
 from reshard_svc.errors import UsageError
 from reshard_svc.jobspec import ConvertSpec, build_parser
+from reshard_svc.pause_gc import collector_paused
 
 __all__ = ["build_parser", "main"]
 
@@ -83,17 +83,11 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
     # What is imported here (torch: hundreds of thousands of objects) lives until exit.
     # Collecting during the import is wasted work, and afterwards the collector should not
     # walk it again in every full collection: import with collection off, then freeze.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused(freeze=True):
         import torch
         import torch.distributed as dist
 
         from reshard_svc.runtime.convert import convert
-    finally:
-        gc.freeze()
-        if was_enabled:
-            gc.enable()
 
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) >= 1
     if distributed and not dist.is_initialized():

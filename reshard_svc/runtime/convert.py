@@ -38,6 +38,7 @@ from reshard_svc.output_plan import (
     plan_native,
     target_bands,
 )
+from reshard_svc.pause_gc import collector_paused
 from reshard_svc.read_plan import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.rules import resolve_layouts, select_tensors
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
@@ -121,7 +122,8 @@ def convert(
         storage_options=storage_options, checksum=checksum, overwrite=overwrite, only=only,
         strip_prefix=strip_prefix,
     )  # fmt: skip
-    return conversion.run(progress)
+    with collector_paused():  # see reshard_svc.pause_gc: no full collection mid-run
+        return conversion.run(progress)
 
 
 class Conversion:

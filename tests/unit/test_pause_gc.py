@@ -1,0 +1,82 @@
+"""The collector pause around index parsing and convert: off inside, restored after."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import reshard_svc
+from reshard_svc.errors import CheckpointError
+from reshard_svc.pause_gc import collector_paused
+
+
+@pytest.fixture(autouse=True)
+def _collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if not was:
+        gc.disable()
+
+
+def test_paused_inside_restored_after_even_on_error():
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():  # nested: the inner exit leaves it off
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_a_collector_the_caller_turned_off_stays_off():
+    gc.disable()
+    with collector_paused():
+        pass
+    assert not gc.isenabled()
+
+
+def test_freeze_moves_what_is_alive_to_the_permanent_generation():
+    gc.unfreeze()
+    try:
+        with collector_paused(freeze=True):
+            keep = [object() for _ in range(1000)]
+        assert gc.get_freeze_count() >= len(keep)
+    finally:
+        gc.unfreeze()
+
+
+def test_convert_runs_with_the_collector_off_and_restores_it(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    sd = {f"w{i}": torch.randn(64, 8) for i in range(50)}
+    reshard_svc.save(sd, src)
+    during: list[bool] = []
+    reshard_svc.convert(src, dst, mesh="tp=1", progress=lambda _: during.append(gc.isenabled()))
+    assert during and not any(during)  # off for the whole run (progress comes mid-run)
+    assert gc.isenabled()
+    back = {k: torch.empty_like(v) for k, v in sd.items()}
+    reshard_svc.load(back, dst)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    with pytest.raises(CheckpointError):
+        reshard_svc.convert(str(tmp_path / "missing"), str(tmp_path / "out"), mesh="tp=1")
+    assert gc.isenabled()
+
+
+def test_index_parsing_runs_with_the_collector_off(tmp_path, monkeypatch):
+    import reshard_svc.index as index_mod
+
+    reshard_svc.save({"w": torch.ones(4)}, str(tmp_path / "c"))
+    raw = (tmp_path / "c" / index_mod.INDEX_NAME).read_bytes()
+    real, during = index_mod.json.loads, []
+
+    def spy(data, *a, **kw):
+        during.append(gc.isenabled())
+        return real(data, *a, **kw)
+
+    monkeypatch.setattr(index_mod.json, "loads", spy)
+    assert "w" in index_mod.CheckpointIndex.loads(raw).tensors
+    assert during == [False] and gc.isenabled()
