@@ -55,9 +55,22 @@ def test_convert_runs_with_the_collector_off_and_restores_it(tmp_path):
     sd = {f"w{i}": torch.randn(64, 8) for i in range(50)}
     reshard_svc.save(sd, src)
     during: list[bool] = []
-    reshard_svc.convert(src, dst, mesh="tp=1", progress=lambda _: during.append(gc.isenabled()))
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free goes to gc.garbage
+    try:
+        res = reshard_svc.convert(
+            src, dst, mesh="tp=1", max_memory="8KiB",
+            progress=lambda _: during.append(gc.isenabled()),
+        )  # fmt: skip
+        assert gc.isenabled()
+        gc.collect()
+        # With the collector paused, only reference cycles could outlive their use:
+        # a run of many waves must leave none (no buffer or tensor kept by a cycle).
+        assert res.waves > 10 and gc.garbage == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
     assert during and not any(during)  # off for the whole run (progress comes mid-run)
-    assert gc.isenabled()
     back = {k: torch.empty_like(v) for k, v in sd.items()}
     reshard_svc.load(back, dst)
     assert all(torch.equal(back[k], sd[k]) for k in sd)
