@@ -258,20 +258,20 @@ class WaveReader:
 def _land_checked(readv: Any, stream: BlockStream, start: int, runs: list[Any]) -> None:
     """``preadv`` consecutive bytes from ``start`` into ``runs`` about :data:`CHUNK` at a
     time, checking each batch as soon as it lands."""
-    pos, batch = start, list[memoryview]()
+    pos, size, batch = start, 0, list[memoryview]()
 
-    def flush() -> int:
+    def flush() -> None:
         readv(pos, batch)
         for p in batch:
             stream.update(p)
-        return sum(p.nbytes for p in batch)
 
     for run in runs:
         view = memoryview(run).cast("B")
         for off in range(0, view.nbytes, CHUNK):
             batch.append(view[off : off + CHUNK])
-            if sum(p.nbytes for p in batch) >= CHUNK:
-                pos += flush()
-                batch = []
+            size += batch[-1].nbytes
+            if size >= CHUNK:
+                flush()
+                pos, size, batch = pos + size, 0, []
     if batch:
         flush()
