@@ -66,7 +66,12 @@ def test_convert_runs_with_the_collector_off_and_restores_it(tmp_path):
         gc.collect()
         # With the collector paused, only reference cycles could outlive their use:
         # a run of many waves must leave none (no buffer or tensor kept by a cycle).
-        assert res.waves > 10 and gc.garbage == []
+        ours = [  # other tests' threads may drop garbage of their own meanwhile
+            o for o in gc.garbage
+            if isinstance(o, (torch.Tensor, bytearray, memoryview))
+            or type(o).__module__.startswith("reshard_svc")
+        ]  # fmt: skip
+        assert res.waves > 10 and ours == []
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
