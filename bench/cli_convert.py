@@ -96,6 +96,8 @@ def bench_dir(base: str, runs: int, size: str = "full") -> dict:
                 for op, (kind, extra_env) in OPS.items():
                     dst = f"{base}/out-{op}-{size}"
                     shutil.rmtree(dst, ignore_errors=True)
+                    # no writeback left over from the previous run (an unsynced copy's)
+                    os.sync()
                     src = f"{base}/src-{size}"
                     if kind == "cp":
                         cmd = ["cp", "-r", src, dst]

@@ -15,6 +15,7 @@ destroyed before the new one commits.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import io
 import logging
@@ -22,6 +23,7 @@ import mmap
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import IO, Any
 
@@ -59,12 +61,53 @@ def sync_files_default() -> bool:
     raise UsageError(f"RESHARD_SYNC_FILES must be 1 or 0, got {value!r}")
 
 
+def _sync_file_range() -> Callable[[int, int, int], None] | None:
+    """Linux's ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``: start
+    writing a file's dirty pages to the disk and return without waiting (the standard
+    library has no wrapper). ``None`` where the C library lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    write = 2  # SYNC_FILE_RANGE_WRITE
+
+    def start(fd: int, offset: int, nbytes: int) -> None:
+        fn(fd, offset, nbytes, write)  # a failure here resurfaces in the closing fsync
+
+    return start
+
+
+_start_writeback = _sync_file_range()
+
+
 class DurableFile(io.FileIO):
     """A data file that reaches the disk before it is closed (``fsync`` in ``close``).
+
+    Every :data:`WRITEBACK_BYTES` written, the disk is asked to start writing them
+    (``sync_file_range``, not waiting), as RocksDB's ``bytes_per_sync`` and PostgreSQL's
+    ``backend_flush_after`` do: the disk works while the rest of the file is produced,
+    instead of receiving all of it in the closing fsync. (Left to itself, the kernel
+    starts after 30 s or once a tenth of memory is dirty.) Durability rests on the fsync.
 
     ``discard`` (and dropping the file unclosed) closes without syncing: the file is
     abandoned with its staging folder.
     """
+
+    WRITEBACK_BYTES = 32 * 1024 * 1024
+    _written = 0  # bytes written so far (files are written front to back)
+    _kicked = 0  # bytes handed to writeback so far
+
+    def write(self, data: Any) -> int:
+        n: int = super().write(data)  # type: ignore[assignment]
+        self._written += n
+        if _start_writeback is not None and self._written - self._kicked >= self.WRITEBACK_BYTES:
+            _start_writeback(self.fileno(), self._kicked, self._written - self._kicked)
+            self._kicked = self._written
+        return n
 
     def close(self) -> None:
         if not self.closed:

@@ -102,3 +102,41 @@ def test_bad_sync_setting_is_a_usage_error(tmp_path, monkeypatch, bad):
     monkeypatch.delenv("RESHARD_SYNC_FILES")
     with pytest.raises(UsageError, match="sync_files"):
         open_storage(str(tmp_path / "x"), {"sync_files": bad})
+
+
+def test_writeback_starts_while_a_file_is_written(tmp_path, monkeypatch):
+    """Every ``WRITEBACK_BYTES`` written, the kernel is asked to start writing them
+    (``sync_file_range``): contiguous ranges from the start of the file, none past its end."""
+    from reshard_svc.storage import local
+
+    if not os.uname().sysname == "Linux":
+        pytest.skip("sync_file_range is Linux's")
+    real = local._start_writeback
+    assert real is not None, "sync_file_range not found in the C library"
+    kicks: list[tuple[str, int, int]] = []
+
+    def start(fd, offset, nbytes):
+        kicks.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, nbytes))
+        real(fd, offset, nbytes)  # the real call, on a real file: must not raise
+
+    monkeypatch.setattr(local, "_start_writeback", start)
+    monkeypatch.setattr(local.DurableFile, "WRITEBACK_BYTES", 4096)
+    storage = open_storage(str(tmp_path / "x"), {"sync_files": True})
+    f = storage.open_write("a.safetensors")
+    data = os.urandom(30_000)
+    for i in range(0, len(data), 3000):
+        f.write(data[i : i + 3000])
+    f.close()
+    assert (tmp_path / "x" / "a.safetensors").read_bytes() == data
+    assert [k[0] for k in kicks] == ["a.safetensors"] * len(kicks) and len(kicks) == 5
+    ends = [0] + [off + n for _, off, n in kicks]
+    assert [off for _, off, _ in kicks] == ends[:-1] and ends[-1] <= len(data)
+    assert all(n >= 4096 for _, _, n in kicks)
+
+    # converting writes its data files through the same path
+    kicks.clear()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    reshard_svc.save(_state(), src, checksum="none")
+    kicks.clear()
+    reshard_svc.convert(src, dst, mesh="tp=2", rules={"*": "S(0)"})
+    assert {k[0] for k in kicks} == set(reshard_svc.inspect(dst).files)
