@@ -263,6 +263,21 @@ def append_result(path: str, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def rotated(items: tuple[str, ...], run: int) -> tuple[str, ...]:
+    """``items`` rotated by ``run``: so no variant always follows the same one."""
+    k = run % len(items)
+    return items[k:] + items[:k]
+
+
+def paired_ratio(a: list[list[dict[str, Any]]], b: list[list[dict[str, Any]]]) -> float:
+    """Median over runs of (wall of ``a`` / wall of ``b``) in the same run (max over ranks).
+
+    Both variants ran back to back in each run, so a slow spell of the machine moves both:
+    on a noisy 2-core VM this is steadier than the ratio of the two medians."""
+    walls = [max(r["wall_s"] for r in ra) / max(r["wall_s"] for r in rb) for ra, rb in zip(a, b)]
+    return round(statistics.median(walls), 3)
+
+
 def summarize(runs: list[list[dict[str, Any]]], model: int) -> dict[str, Any]:
     """Medians over runs of: max wall over ranks, max peak RSS over ranks, bytes read sum."""
     walls = [max(r["wall_s"] for r in run) for run in runs]

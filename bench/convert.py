@@ -138,7 +138,7 @@ def main() -> None:
         common.launch(4, __file__, [*base, "--op", "setup"], results)
         for run in range(args.runs):
             # Rotate the order each run, so no operation always follows the same one.
-            for op in ops[run % len(ops) :] + ops[: run % len(ops)]:
+            for op in common.rotated(ops, run):
                 for name in os.listdir(args.dir):
                     if name.startswith("out-"):
                         shutil.rmtree(os.path.join(args.dir, name), ignore_errors=True)

@@ -1,6 +1,6 @@
 """Save and load a Llama-shaped bf16 state dict (~2.7 GB) with reshard_svc and torch DCP.
 
-Same run, interleaved: save at TP=4 on 4 gloo ranks (ours with block CRC32Cs, the
+Same run, interleaved (the order rotated each run): save at TP=4 on 4 gloo ranks (ours with block CRC32Cs, the
 default; ours with ``checksum="none"``; DCP FileSystemWriter), then load each checkpoint
 into TP=2 and into Replicate on 2 ranks (ours verifies every block it reads; ``ours-none``
 loads the checksum-free copy, so nothing is verified). For each: median wall time (max
@@ -9,7 +9,9 @@ the checkpoint (``rchar``, or reshard_svc's own count of what it fetched, whiche
 
     python bench/save_load.py [--size full|small] [--runs 3] [--dir /dev/shm/reshard-bench]
 
-Prints one JSON object per operation, then a summary object.
+Prints one JSON object per operation, then a summary object. The cost of checking is
+given twice: the ratio of the medians, and the median of each run's ratio (``_paired``),
+which a slow spell of the machine moves less.
 """
 
 from __future__ import annotations
@@ -84,12 +86,12 @@ def main() -> None:
     ops = [("save", 4), ("tp", 2), ("rep", 2)]
     runs: dict[tuple[str, str], list] = {}
     try:
-        for _ in range(args.runs):
+        for run in range(args.runs):
             for system in variants("save", args.variants):
                 shutil.rmtree(os.path.join(args.dir, system), ignore_errors=True)
             for op, n in ops:
-                systems = variants(op, args.variants)
-                for system in systems:  # interleaved, same conditions
+                # interleaved, same conditions; rotated, so no variant always runs first
+                for system in common.rotated(variants(op, args.variants), run):
                     per_rank = common.launch(
                         n,
                         __file__,
@@ -114,6 +116,9 @@ def main() -> None:
             none = common.summarize(runs[("ours-none", op)], model)
             rows.insert(1, ("ours-none", none))
             summary[f"{op}_wall_ratio_crc32c_over_none"] = round(ours["wall_s"] / none["wall_s"], 2)
+            summary[f"{op}_wall_ratio_crc32c_over_none_paired"] = common.paired_ratio(
+                runs[("ours", op)], runs[("ours-none", op)]
+            )
         if ("ours-direct", op) in runs:
             direct = common.summarize(runs[("ours-direct", op)], model)
             rows.insert(-1, ("ours-direct", direct))
