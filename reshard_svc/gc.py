@@ -11,7 +11,8 @@ leaves its lease behind, and the lease says which leftovers are its own:
   and, after an interrupted overwrite, the replaced checkpoint's files.
 
 :func:`collect` removes the leftovers of every run whose lease is *stale*: expired (no
-heartbeat for :data:`LEASE_TTL_S`), or held by a process on this host that no longer exists,
+heartbeat for :data:`LEASE_TTL_S`), or held by a process on this host that no longer exists
+(or is a zombie),
 or held by the ``owner`` the caller names (the server, once it knows a job's workers are
 gone). A live lease is never touched. A local commit that was interrupted is rolled
 forward when its staging folder holds the new index, and rolled back otherwise. Files that
@@ -103,13 +104,23 @@ class LeaseRecord:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs. A zombie does not: a worker killed
+    with its launcher is reparented to PID 1, and in a container whose PID 1 does not reap
+    (no ``--init``) it stays a zombie, which ``kill(pid, 0)`` still finds."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # gone since kill(); or no /proc here
+    except (OSError, IndexError):
         return True
-    return True
+    return state not in (b"Z", b"X")
 
 
 class Lease:

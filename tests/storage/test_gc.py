@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,24 @@ def dead_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
     return p.pid
+
+
+@contextlib.contextmanager
+def zombie_pid() -> Iterator[int]:
+    """A child that has exited and is not reaped yet (a zombie), reaped on exit."""
+    p = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with open(f"/proc/{p.pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError("the child never exited")
+            time.sleep(0.01)
+        yield p.pid
+    finally:
+        p.wait()
 
 
 def test_overwrite_needs_consent_and_keeps_foreign_files(root):
@@ -87,6 +107,7 @@ def fake_run(storage, token: str, *, pid: int, expires_in: float, owner: str = "
     [
         (None, 60, "", False),  # live: this process holds it
         ("dead", 60, "", True),  # its process is gone
+        ("zombie", 60, "", True),  # its process exited and nobody reaped it (PID 1 in a container)
         (None, -1, "", True),  # expired
         (None, 60, "reshard-job-7", True),  # the server says job 7 is over
     ],
@@ -97,11 +118,13 @@ def test_collect_only_stale_runs(root, pid, expires_in, owner, collected):
     storage = open_storage(uri)
     before = set(storage.listdir())
     token = "ab" * 16
-    fake_run(storage, token, pid=os.getpid() if pid is None else dead_pid(),
-             expires_in=expires_in, owner=owner)  # fmt: skip
-    dry = gc.collect(uri, owner=owner or None, dry_run=True)
-    assert bool(dry) == collected
-    report = gc.collect(uri, owner=owner or None)
+    with contextlib.ExitStack() as stack:
+        holder = {None: os.getpid, "dead": dead_pid,
+                  "zombie": lambda: stack.enter_context(zombie_pid())}[pid]()  # fmt: skip
+        fake_run(storage, token, pid=holder, expires_in=expires_in, owner=owner)
+        dry = gc.collect(uri, owner=owner or None, dry_run=True)
+        assert bool(dry) == collected
+        report = gc.collect(uri, owner=owner or None)
     assert bool(report) == collected
     assert (report.live == [token]) != collected
     if collected:
