@@ -1,11 +1,12 @@
 """Save and load a Llama-shaped bf16 state dict (~2.7 GB) with reshard_svc and torch DCP.
 
-Same run, interleaved (the order rotated each run): save at TP=4 on 4 gloo ranks (ours with block CRC32Cs, the
-default; ours with ``checksum="none"``; DCP FileSystemWriter), then load each checkpoint
-into TP=2 and into Replicate on 2 ranks (ours verifies every block it reads; ``ours-none``
-loads the checksum-free copy, so nothing is verified). For each: median wall time (max
-over ranks, between barriers), peak RSS per rank, and bytes read from storage relative to
-the checkpoint (``rchar``, or reshard_svc's own count of what it fetched, whichever is more).
+Same run, interleaved, the order rotated each run: save at TP=4 on 4 gloo ranks (ours
+with block CRC32Cs, the default; ours with ``checksum="none"``; DCP FileSystemWriter),
+then load each checkpoint into TP=2 and into Replicate on 2 ranks (ours verifies every
+block it reads; ``ours-none`` loads the checksum-free copy, so nothing is verified). For
+each: median wall time (max over ranks, between barriers), peak RSS per rank, and bytes
+read from storage relative to the checkpoint (``rchar``, or reshard_svc's own count of
+what it fetched, whichever is more).
 
     python bench/save_load.py [--size full|small] [--runs 3] [--dir /dev/shm/reshard-bench]
 
