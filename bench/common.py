@@ -88,8 +88,8 @@ def build(size: str, target: str, fill: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from reshard_svc import _compat
     from reshard_svc.layout import Layout, Mesh, parse_placements
+    from reshard_svc.runtime import _compat
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
@@ -203,7 +203,7 @@ def checksum_speed(mib: int = 256) -> dict[str, float]:
 
     import numpy as np
 
-    from reshard_svc.checksums import crc32c
+    from reshard_svc.format.checksums import crc32c
 
     data = memoryview(np.random.default_rng(0).integers(0, 255, mib << 20, dtype=np.uint8))
     out = {}

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from reshard_svc.index import CheckpointIndex, Chunk, TensorMeta
+from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Layout
-from reshard_svc.read_plan import _CACHE, StorageCost, choose_plan
+from reshard_svc.plan.read import _CACHE, StorageCost, choose_plan
 
 LAYERS, H, F, V, KV = 126, 16384, 53248, 128256, 1024
 BUDGET = 512 * 1024 * 1024  # load's default max_memory

@@ -78,8 +78,8 @@ def dtensor(mesh: Any, pls: list[str], shape: tuple[int, ...], fill: int | None)
     import torch
     from torch.distributed.tensor import DTensor
 
-    from reshard_svc import _compat
     from reshard_svc.layout import Layout, parse_placements
+    from reshard_svc.runtime import _compat
 
     placements = parse_placements(pls)
     layout = Layout(_compat.mesh_of(mesh), placements)

@@ -1,14 +1,15 @@
 """reshard_svc: save, load and reshard PyTorch distributed checkpoints between meshes.
 
-The layout core (:mod:`reshard_svc.layout`, :mod:`reshard_svc.boxes`) is pure and needs
-no process group; the runtime (``save``, ``load``, ``convert``, ``transfer``) runs under torchrun.
+The packages are layers, each importing only from the ones below it: ``layout`` (pure
+geometry), ``storage`` (bytes at a URI), ``format`` (safetensors, checksums, the index,
+foreign sources), ``plan`` (pure plans), ``runtime`` (process groups and the one executor:
+``save``, ``load``, ``convert``, ``transfer``) and ``jobs`` (the torchrun worker).
 """
-
-__version__ = "0.1.0"
 
 from typing import TYPE_CHECKING
 
-from reshard_svc.errors import (  # noqa: E402
+from reshard_svc._version import __version__
+from reshard_svc.errors import (
     CheckpointError,
     CorruptCheckpointError,
     DistributedError,
@@ -26,14 +27,14 @@ from reshard_svc.errors import (  # noqa: E402
 )
 
 #: Public name -> the module that defines it. Imported on first use (PEP 562), so that
-#: ``import reshard_svc.jobspec`` (the CLI's ``--help``, the client, the control plane)
+#: ``import reshard_svc.plan.spec`` (the CLI's ``--help``, the client, the control plane)
 #: does not pay for importing torch.
 _LAZY = {
-    "CheckpointIndex": "reshard_svc.index",
-    "VerifyReport": "reshard_svc.inspection",
-    "inspect": "reshard_svc.inspection",
-    "read_blob": "reshard_svc.inspection",
-    "verify": "reshard_svc.inspection",
+    "CheckpointIndex": "reshard_svc.format.index",
+    "VerifyReport": "reshard_svc.format.inspection",
+    "inspect": "reshard_svc.format.inspection",
+    "read_blob": "reshard_svc.format.inspection",
+    "verify": "reshard_svc.format.inspection",
     "Box": "reshard_svc.layout",
     "Layout": "reshard_svc.layout",
     "Mesh": "reshard_svc.layout",
@@ -51,7 +52,7 @@ _LAZY = {
     "PlanCache": "reshard_svc.runtime.transfer",
     "TransferResult": "reshard_svc.runtime.transfer",
     "transfer": "reshard_svc.runtime.transfer",
-    "Cat": "reshard_svc.transfer_plan",
+    "Cat": "reshard_svc.plan.transfer",
 }
 
 
@@ -71,15 +72,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from reshard_svc.index import CheckpointIndex
-    from reshard_svc.inspection import VerifyReport, inspect, read_blob, verify
+    from reshard_svc.format.index import CheckpointIndex
+    from reshard_svc.format.inspection import VerifyReport, inspect, read_blob, verify
     from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
+    from reshard_svc.plan.transfer import Cat
     from reshard_svc.runtime.async_save import AsyncSaver, async_save
     from reshard_svc.runtime.convert import ConvertResult, convert
     from reshard_svc.runtime.load import LoadStats, load
     from reshard_svc.runtime.save import save
     from reshard_svc.runtime.transfer import PlanCache, TransferResult, transfer
-    from reshard_svc.transfer_plan import Cat
 
 __all__ = [
     "AsyncSaver",

@@ -16,7 +16,7 @@ import fsspec.config
 import httpx
 import pytest
 
-from tests.distributed.harness import free_port
+from tests.support.harness import free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")

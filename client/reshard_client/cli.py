@@ -94,7 +94,7 @@ def inspect(
     """Show a checkpoint's tensors: dtype, shape, layout, chunks and bytes."""
     from reshard_svc import ReshardError
     from reshard_svc import inspect as do_inspect
-    from reshard_svc.inspection import describe_index
+    from reshard_svc.format.inspection import describe_index
 
     try:
         index = do_inspect(uri)
@@ -230,7 +230,7 @@ def convert(
     import tempfile
 
     from reshard_svc.errors import ReshardError
-    from reshard_svc.jobspec import ConvertSpec
+    from reshard_svc.plan.spec import ConvertSpec
 
     try:
         spec = ConvertSpec(
@@ -282,7 +282,7 @@ def _convert_in_process(spec: Any, progress_file: str) -> int:
 
     from rich.logging import RichHandler
 
-    from reshard_svc.worker import main as worker_main
+    from reshard_svc.jobs.worker import main as worker_main
 
     logging.basicConfig(
         level=os.environ.get("LOGLEVEL", "INFO"), format="%(name)s: %(message)s",
@@ -364,7 +364,7 @@ def gc(
     rolled forward (or back). Files that are not part of a checkpoint are never deleted.
     """
     from reshard_svc.errors import ReshardError
-    from reshard_svc.gc import collect
+    from reshard_svc.format.collect import collect
 
     try:
         report = collect(uri, dry_run=dry_run)
@@ -446,7 +446,7 @@ def _show(bar: Progress, task: Any, path: str) -> dict[str, Any]:
 
 
 def _parse_mesh(mesh: str | None) -> dict[str, int] | None:
-    from reshard_svc.jobspec import parse_mesh
+    from reshard_svc.plan.spec import parse_mesh
 
     return parse_mesh(mesh) if mesh else None
 
@@ -454,7 +454,7 @@ def _parse_mesh(mesh: str | None) -> dict[str, int] | None:
 def _parse_rules(rules: str | None) -> dict[str, Any] | None:
     if not rules:
         return None
-    from reshard_svc.rules import load_rules
+    from reshard_svc.plan.rules import load_rules
 
     return dict(load_rules(rules))
 

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard_svc.checksums import check_algorithm
 from reshard_svc.errors import CheckpointError, UsageError
-from reshard_svc.index import CheckpointIndex
+from reshard_svc.format.checksums import check_algorithm
+from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import Box
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commit, write_files

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reshard_svc.storage import HashingWriter
+from reshard_svc.format.checksums import HashingWriter
 
 __all__ = ["BackgroundWriter", "BufferPool", "tensor_bytes", "tensor_runs"]
 

@@ -9,8 +9,8 @@ last; a failed or killed conversion leaves no committed target.
 
 The steps, in order (:class:`Conversion`): open the source and the target, plan (output
 files, target bands, reads), open this worker's output files, execute the waves, close,
-commit. The pure plans live in :mod:`reshard_svc.output_plan` and
-:mod:`reshard_svc.read_plan`; where bytes go, in :mod:`reshard_svc.runtime.writers`.
+commit. The pure plans live in :mod:`reshard_svc.plan.output` and
+:mod:`reshard_svc.plan.read`; where bytes go, in :mod:`reshard_svc.runtime.writers`.
 """
 
 from __future__ import annotations
@@ -24,30 +24,30 @@ from typing import Any
 
 import torch
 
-from reshard_svc import __version__
-from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
+from reshard_svc._collector import collector_paused
+from reshard_svc._version import __version__
 from reshard_svc.errors import LayoutError, UsageError
-from reshard_svc.gc import TargetRun
-from reshard_svc.index import CheckpointIndex, FileMeta, TensorMeta
-from reshard_svc.jobspec import parse_dtype, parse_size
+from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
+from reshard_svc.format.collect import TargetRun
+from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
+from reshard_svc.format.safetensors import dtype_from_name
+from reshard_svc.format.sources import HF_INDEX
 from reshard_svc.layout import Box, Mesh
-from reshard_svc.output_plan import (
+from reshard_svc.plan.output import (
     DEFAULT_SHARD_SIZE,
     OutputPlan,
     plan_hf,
     plan_native,
     target_bands,
 )
-from reshard_svc.pause_gc import collector_paused
-from reshard_svc.read_plan import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
-from reshard_svc.rules import resolve_layouts, select_tensors
+from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
+from reshard_svc.plan.rules import resolve_layouts, select_tensors
+from reshard_svc.plan.spec import parse_dtype, parse_size
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
 from reshard_svc.runtime.load import open_shared
 from reshard_svc.runtime.writers import BandSink, FileWriter, copy_blobs
-from reshard_svc.safetensors_io import dtype_from_name
-from reshard_svc.sources import HF_INDEX
 from reshard_svc.storage import open_storage
 
 __all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
@@ -122,7 +122,7 @@ def convert(
         storage_options=storage_options, checksum=checksum, overwrite=overwrite, only=only,
         strip_prefix=strip_prefix,
     )  # fmt: skip
-    with collector_paused():  # see reshard_svc.pause_gc: no full collection mid-run
+    with collector_paused():  # see reshard_svc._collector: no full collection mid-run
         return conversion.run(progress)
 
 

@@ -1,4 +1,4 @@
-"""Execute a :class:`~reshard_svc.read_plan.ReadPlan`: per wave, this rank's ranged reads
+"""Execute a :class:`~reshard_svc.plan.read.ReadPlan`: per wave, this rank's ranged reads
 (:mod:`reshard_svc.runtime.reading`), one ``all_to_all``, then every part landed in its
 destination on its rank.
 
@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from reshard_svc.checksums import BlockTable
-from reshard_svc.read_plan import Part, Read, ReadPlan, Wave
+from reshard_svc.format.checksums import BlockTable
+from reshard_svc.plan.read import Part, Read, ReadPlan, Wave
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.reading import WaveReader
 from reshard_svc.storage import Storage

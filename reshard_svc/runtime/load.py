@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
-from reshard_svc.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
-from reshard_svc.read_plan import (
+from reshard_svc.format.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
+from reshard_svc.format.sources import open_checkpoint
+from reshard_svc.plan.read import (
     Part,
     ReadPlan,
     StorageCost,
@@ -28,9 +29,8 @@ from reshard_svc.read_plan import (
 )
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.exchange import Progress, execute
+from reshard_svc.runtime.state_dict import flatten, unflatten
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
-from reshard_svc.sources import open_checkpoint
-from reshard_svc.state_dict import flatten, unflatten
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["DEFAULT_MAX_MEMORY", "LoadStats", "load", "open_shared"]
@@ -113,7 +113,7 @@ def load(
     the process group; ``"direct"`` lets every rank read what it needs itself (faster on
     a local page cache for replicated targets, more storage traffic). ``"auto"``
     (default) plans both and runs the cheaper under the storage's cost model
-    (:class:`~reshard_svc.read_plan.StorageCost`); off local files it keeps read-once.
+    (:class:`~reshard_svc.plan.read.StorageCost`); off local files it keeps read-once.
     """
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)

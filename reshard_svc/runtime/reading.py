@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard_svc.checksums import BlockStream, BlockTable
 from reshard_svc.errors import CorruptCheckpointError
-from reshard_svc.read_plan import Part, Read
+from reshard_svc.format.checksums import BlockStream, BlockTable
+from reshard_svc.plan.read import Part, Read
 from reshard_svc.runtime.buffers import tensor_runs
 from reshard_svc.storage import Storage
 
@@ -120,7 +120,7 @@ def _band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
         if buf.storage_offset() % dtype.itemsize:
             buf = buf.clone()  # safetensors does not align tensors inside its data section
         return buf.view(dtype).reshape(read.box.sizes)
-    from reshard_svc.dcp_pickle import decode_torch_save
+    from reshard_svc.format.dcp import decode_torch_save
 
     t = decode_torch_save(buf.numpy().tobytes(), f"{read.file}@{read.begin}")
     if tuple(t.shape) != read.box.sizes:

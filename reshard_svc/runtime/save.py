@@ -20,18 +20,18 @@ from typing import Any
 
 import torch
 
-from reshard_svc import __version__
-from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
+from reshard_svc._version import __version__
 from reshard_svc.errors import CheckpointError, StateDictError
-from reshard_svc.gc import TargetRun
-from reshard_svc.index import CheckpointIndex, FileMeta, TensorMeta
+from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, HashingWriter, check_algorithm
+from reshard_svc.format.collect import TargetRun
+from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
+from reshard_svc.format.safetensors import st_code
+from reshard_svc.plan.save import FileSpec, SavePlan, TensorPlacement, plan_save
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import Placed, describe, gather_holders
-from reshard_svc.safetensors_io import st_code
-from reshard_svc.save_plan import FileSpec, SavePlan, TensorPlacement, plan_save
-from reshard_svc.state_dict import flatten
-from reshard_svc.storage import HashingWriter, Storage, open_storage
+from reshard_svc.storage import Storage, open_storage
 
 __all__ = [
     "PreparedSave",

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reshard_svc import _compat
 from reshard_svc.errors import StateDictError
 from reshard_svc.layout import Box, Layout, local_slices
+from reshard_svc.runtime import _compat
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.state_dict import Leaf
+from reshard_svc.runtime.state_dict import Leaf
 
 __all__ = ["Placed", "describe", "gather_holders"]
 

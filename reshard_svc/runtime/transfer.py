@@ -6,7 +6,7 @@ meshes passes both. The steps:
 
 1. **describe** — each rank lists the boxes it holds of each tensor on each side (no data);
 2. **plan** — on the first call, one all-gather of those descriptions, then every rank
-   computes the same :class:`~reshard_svc.transfer_plan.TransferPlan`. Later calls with the
+   computes the same :class:`~reshard_svc.plan.transfer.TransferPlan`. Later calls with the
    same layouts reuse it after one 16-byte all-reduce that confirms every rank hit the same
    plan, so they only move data;
 3. **move** — per bucket (whole target tensors, bounded by ``max_memory`` on every rank):
@@ -35,17 +35,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard_svc.boxes import Box
 from reshard_svc.errors import (
     DistributedError,
     StateDictError,
     TransferAbortedError,
     TransferError,
 )
+from reshard_svc.layout.box import Box
+from reshard_svc.plan.transfer import Cat, Move, RankWork, Side, TransferPlan, plan_transfer
 from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import Placed, describe
-from reshard_svc.state_dict import flatten
-from reshard_svc.transfer_plan import Cat, Move, RankWork, Side, TransferPlan, plan_transfer
 
 __all__ = ["PlanCache", "TransferResult", "transfer"]
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from reshard_svc.checksums import DEFAULT_BLOCK_SIZE
 from reshard_svc.errors import CheckpointError
-from reshard_svc.index import Blob, CheckpointIndex, FileMeta
+from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, HashingWriter
+from reshard_svc.format.index import Blob, CheckpointIndex, FileMeta
 from reshard_svc.layout import Box
-from reshard_svc.read_plan import Part, ReadPlan, Wave
+from reshard_svc.plan.read import Part, ReadPlan, Wave
+from reshard_svc.plan.save import FileSpec
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
-from reshard_svc.save_plan import FileSpec
-from reshard_svc.storage import HashingWriter, Storage
+from reshard_svc.storage import Storage
 
 __all__ = ["BandSink", "FileWriter", "copy_blobs"]
 

@@ -15,14 +15,14 @@ from typing import Any
 import fsspec.utils
 
 from reshard_svc.errors import StorageError
-from reshard_svc.storage.base import HashingWriter, Storage
+from reshard_svc.storage.base import COMMIT_FILE, Storage
 from reshard_svc.storage.fsspec_store import FsspecStorage
 from reshard_svc.storage.local import LocalStorage
 from reshard_svc.storage.s3 import S3Storage
 
 __all__ = [
+    "COMMIT_FILE",
     "FsspecStorage",
-    "HashingWriter",
     "LocalStorage",
     "S3Storage",
     "Storage",

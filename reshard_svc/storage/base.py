@@ -15,7 +15,7 @@ Commit protocol (called by the coordinator only, after every rank has written):
   in the folder stays;
 * ``abort(staging)`` — drop what a failed save wrote.
 
-Leases (see :mod:`reshard_svc.gc`): every run keeps a small JSON record beside the target
+Leases (see :mod:`reshard_svc.format.collect`): every run keeps a small JSON record beside the target
 (``write_lease`` / ``remove_lease`` / ``read_leases``) renewed by a heartbeat, so a later
 run or ``reshard gc`` can tell a dead run's leftovers (``collect_run``) from a live one's.
 """
@@ -26,9 +26,11 @@ from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import IO, Any, Protocol, runtime_checkable
 
-from reshard_svc.checksums import DEFAULT_BLOCK_SIZE, FileChecksummer
+__all__ = ["COMMIT_FILE", "Storage"]
 
-__all__ = ["HashingWriter", "Storage"]
+#: The file whose presence commits a checkpoint folder (written last; the format layer
+#: calls it ``INDEX_NAME``). Storage only needs its name, never its contents.
+COMMIT_FILE = "reshard.index.json"
 
 
 @runtime_checkable
@@ -119,7 +121,7 @@ class Storage(Protocol):
         """Whether run ``token`` left something ``collect_run`` must still finish."""
         ...
 
-    # ---- leases and garbage collection (reshard_svc.gc)
+    # ---- leases and garbage collection (reshard_svc.format.collect)
 
     def lease_path(self, token: str) -> str: ...
 
@@ -142,35 +144,3 @@ class Storage(Protocol):
         """Clean up after dead run ``token``: finish or roll back its commit, drop its
         uncommitted data; record each step in ``report``."""
         ...
-
-
-#: :class:`HashingWriter` checksums and writes large buffers in pieces of this size.
-WRITE_PIECE = 1024 * 1024
-
-
-class HashingWriter:
-    """Wraps a binary stream written front to back; counts bytes and checksums them
-    (block CRC32C, plus sha256 when ``algorithm="sha256"``; nothing for ``"none"``)."""
-
-    def __init__(
-        self, raw: IO[bytes], algorithm: str = "crc32c", block_size: int = DEFAULT_BLOCK_SIZE
-    ) -> None:
-        self.raw = raw
-        self.sums = FileChecksummer(algorithm, block_size)
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        """Checksum and write ``data`` a piece at a time, so the write copies each piece
-        while the checksum pass has it in cache (one read from memory, not two)."""
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        for off in range(0, max(n, 1), WRITE_PIECE):
-            piece = view[off : off + WRITE_PIECE]
-            self.sums.update(piece)
-            self.raw.write(piece)
-        self.size += n
-        return n
-
-    def result(self) -> dict[str, Any]:
-        """The index fields of this file's checksums."""
-        return self.sums.result()

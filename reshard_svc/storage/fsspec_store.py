@@ -24,14 +24,14 @@ from reshard_svc.errors import (
     StorageError,
     TargetExistsError,
 )
+from reshard_svc.storage.base import COMMIT_FILE as INDEX_FILE
 
 __all__ = ["FsspecStorage", "translate_errors"]
 
 logger = logging.getLogger(__name__)
 
-#: Lease records (reshard_svc.gc) are files named ``<LEASE_PREFIX><token>.json``.
+#: Lease records (reshard_svc.format.collect) are files named ``<LEASE_PREFIX><token>.json``.
 LEASE_PREFIX = ".reshard-lease-"
-INDEX_FILE = "reshard.index.json"  # reshard_svc.index.INDEX_NAME (no torch import here)
 
 
 #: What data files of a checkpoint are called (tensors; opaque items).
@@ -266,7 +266,7 @@ class FsspecStorage:
             return False
         return any(_staged(str(n), suffix) for n in files)
 
-    # ---- leases and garbage collection (see reshard_svc.gc)
+    # ---- leases and garbage collection (see reshard_svc.format.collect)
 
     def lease_path(self, token: str) -> str:
         return self.path(f"{LEASE_PREFIX}{token}.json")

@@ -33,7 +33,7 @@ from reshard_svc.errors import (
     TargetExistsError,
     UsageError,
 )
-from reshard_svc.index import INDEX_NAME
+from reshard_svc.storage.base import COMMIT_FILE as INDEX_NAME
 from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
 
 __all__ = ["LocalStorage"]
@@ -319,7 +319,7 @@ class LocalStorage(FsspecStorage):
         """Whether a run left something ``collect`` must still finish."""
         return any(os.path.exists(self._sibling(k, token)) for k in ("staging", "old"))
 
-    # ---- leases and garbage collection (see reshard_svc.gc)
+    # ---- leases and garbage collection (see reshard_svc.format.collect)
 
     def lease_path(self, token: str) -> str:
         return self._sibling("lease", token) + ".json"

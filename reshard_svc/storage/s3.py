@@ -15,7 +15,8 @@ import logging
 import struct
 from typing import IO, Any, cast
 
-from reshard_svc.checksums import crc32c
+import crc32c
+
 from reshard_svc.errors import StorageError
 from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
 
@@ -35,7 +36,7 @@ MAX_PARTS = 10_000
 
 def crc32c_b64(data: Any) -> str:
     """The ``x-amz-checksum-crc32c`` value of ``data``: base64 of the big-endian CRC."""
-    return base64.b64encode(struct.pack(">I", crc32c(data))).decode()
+    return base64.b64encode(struct.pack(">I", crc32c.crc32c(data))).decode()
 
 
 class S3ChecksumWriter:

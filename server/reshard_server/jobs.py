@@ -28,8 +28,8 @@ from typing import Any
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore
 from reshard_server.launcher import EngineStatus, Launch, Launcher
-from reshard_svc.callback import CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
-from reshard_svc.jobspec import ConvertSpec
+from reshard_svc.jobs.events import CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
+from reshard_svc.plan.spec import ConvertSpec
 
 __all__ = ["JobManager", "token_hash"]
 
@@ -154,7 +154,7 @@ class JobManager:
 
     def _target_committed(self, job: JobRow) -> bool:
         try:
-            from reshard_svc.index import INDEX_NAME
+            from reshard_svc.format.index import INDEX_NAME
             from reshard_svc.storage import open_storage
 
             return open_storage(job.spec["target"]).exists(INDEX_NAME)
@@ -173,7 +173,7 @@ class JobManager:
     def _collect(self, job: JobRow) -> None:
         """Remove the staging data of a job whose workers are gone (all its attempts hold
         leases owned by ``reshard-job-<id>``). Another run into the target is untouched."""
-        from reshard_svc.gc import collect
+        from reshard_svc.format.collect import collect
 
         try:
             report = collect(job.spec["target"], owner=f"reshard-job-{job.id}")
@@ -211,7 +211,7 @@ class JobManager:
     # ---- requests
 
     def on_event(self, job_id: str, event: dict[str, Any]) -> None:
-        """A checked event from the job's rank 0 (see :func:`reshard_svc.jobspec.check_event`)."""
+        """A checked event from the job's rank 0 (see :func:`reshard_svc.plan.spec.check_event`)."""
         if event["event"] == "progress":
             self.store.update(job_id, progress={k: event[k] for k in PROGRESS_KEYS})
         else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from reshard_svc.jobspec import ConvertSpec
+from reshard_svc.plan.spec import ConvertSpec
 
 if TYPE_CHECKING:
     from reshard_server.config import Settings

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from reshard_svc.jobspec import (
+from reshard_svc.plan.spec import (
     CHECKSUMS,
     FORMATS,
     MAX_WORKERS,
@@ -57,7 +57,7 @@ class JobCreate(BaseModel):
     """A conversion to run: ``source`` -> ``target`` with a new mesh / rules / format.
 
     Field types give the OpenAPI schema; the values are checked by
-    :class:`reshard_svc.jobspec.ConvertSpec`, the contract the workers run (422 otherwise).
+    :class:`reshard_svc.plan.spec.ConvertSpec`, the contract the workers run (422 otherwise).
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -8,7 +8,7 @@ import os
 import torch
 
 import reshard_svc
-from tests.cli import reshard
+from tests.support.cli import reshard
 
 
 def make(tmp_path) -> str:

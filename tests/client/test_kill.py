@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import reshard_svc
-from reshard_svc.index import INDEX_NAME
+from reshard_svc.format.index import INDEX_NAME
 from reshard_svc.storage import open_storage
-from tests.cli import reshard
+from tests.support.cli import reshard
 
 MARK = "RESHARD_KILL_TEST"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reshard_svc
-from tests.cli import reshard
+from tests.support.cli import reshard
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import reshard_svc
-from tests.distributed import workloads
-from tests.distributed.harness import run
+from tests.support import workloads
+from tests.support.harness import run
 
 pytestmark = pytest.mark.distributed
 

@@ -14,8 +14,8 @@ import torch
 
 import reshard_svc
 from reshard_svc.errors import NotACheckpointError
-from tests.distributed import workloads
-from tests.distributed.harness import run
+from tests.support import workloads
+from tests.support.harness import run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import reshard_svc
-from reshard_svc.checksums import DEFAULT_BLOCK_SIZE
 from reshard_svc.errors import ChecksumError, CorruptCheckpointError
-from tests.cli import reshard as cli
-from tests.distributed import workloads
-from tests.distributed.harness import run
+from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE
+from tests.support import workloads
+from tests.support.cli import reshard as cli
+from tests.support.harness import run
 
 ROWS = 1536  # w is ROWS x 1024 fp32: 6 MiB, so its file spans 7 blocks, the last one short
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import reshard_svc
-from tests.distributed import workloads
-from tests.distributed.harness import run
+from tests.support import workloads
+from tests.support.harness import run
 
 pytestmark = pytest.mark.distributed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import run
+from tests.support.harness import run
 
 CASES = [
     ((2,), ("SS(0,3)",), (12, 5)),  # fused QKV on 2 ranks
@@ -31,8 +31,8 @@ def _check(mesh_shape, placements, shape):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from reshard_svc import _compat
     from reshard_svc.layout import Layout, Mesh, local_slices
+    from reshard_svc.runtime import _compat
 
     layout = Layout(Mesh(mesh_shape), placements)
     mesh = init_device_mesh("cpu", mesh_shape)

@@ -8,8 +8,8 @@ import os
 import pytest
 
 import reshard_svc
-from tests.distributed import workloads
-from tests.distributed.harness import run
+from tests.support import workloads
+from tests.support.harness import run
 
 pytestmark = pytest.mark.distributed
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import reshard_svc
-from tests.distributed import training
-from tests.distributed.harness import run
+from tests.support import training
+from tests.support.harness import run
 
 pytestmark = pytest.mark.distributed
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.distributed import transfer_workloads as w
-from tests.distributed.harness import run
+from tests.support import transfer_workloads as w
+from tests.support.harness import run
 
 pytestmark = pytest.mark.distributed
 

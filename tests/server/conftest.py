@@ -16,7 +16,7 @@ import torch
 import reshard_svc
 from reshard_client import ReshardClient
 from reshard_server.launcher import job_pids
-from tests.distributed.harness import free_port
+from tests.support.harness import free_port
 
 TOKEN = "test-token-123"
 
@@ -119,7 +119,7 @@ def server(make_server):
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A real single-node Slurm cluster (slurm-wlm + munge) for the whole session."""
-    from tests.slurm_cluster import SlurmCluster, missing
+    from tests.support.slurm_cluster import SlurmCluster, missing
 
     why = missing()
     if why:
@@ -156,7 +156,7 @@ def k8s(tmp_path):
     """A stand-in Kubernetes API server with a local "kubelet" (see tests/k8s_standin.py)."""
     pytest.importorskip("kubernetes")
     pytest.importorskip("kubeflow_trainer_api")
-    from tests.k8s_standin import StandInCluster
+    from tests.support.k8s_standin import StandInCluster
 
     with StandInCluster(tmp_path / "k8s") as cluster:
         yield cluster

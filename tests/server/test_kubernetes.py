@@ -20,9 +20,9 @@ import pytest
 from reshard_server.config import Settings
 from reshard_server.kubernetes import trainjob_body
 from reshard_server.launcher import Launch
-from reshard_svc.jobspec import ConvertSpec
-from tests.k8s_schema import TrainJobInvalid, validate_trainjob
+from reshard_svc.plan.spec import ConvertSpec
 from tests.server.conftest import assert_holds, make_tp4, tensors
+from tests.support.k8s_schema import TrainJobInvalid, validate_trainjob
 
 pytest.importorskip("kubeflow_trainer_api")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reshard_svc
-from tests.distributed.harness import free_port
+from tests.support.harness import free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 pytestmark = pytest.mark.s3

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tests.distributed.harness import free_port
+from tests.support.harness import free_port
 
 
 def test_bare_start_warns_and_keeps_its_state_out_of_the_cwd(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 import reshard_svc
 from reshard_svc.errors import NotACheckpointError
-from reshard_svc.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.storage import open_storage
 
 CHILD = textwrap.dedent(

@@ -9,7 +9,7 @@ import torch
 
 import reshard_svc
 from reshard_svc.errors import UsageError
-from reshard_svc.index import INDEX_NAME
+from reshard_svc.format.index import INDEX_NAME
 from reshard_svc.storage import LocalStorage, open_storage
 
 

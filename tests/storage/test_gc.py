@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import reshard_svc
-from reshard_svc import gc
 from reshard_svc.errors import TargetExistsError
-from reshard_svc.index import INDEX_NAME
+from reshard_svc.format import collect as gc
+from reshard_svc.format.index import INDEX_NAME
 from reshard_svc.storage import open_storage
-from tests.cli import reshard as run_cli
+from tests.support.cli import reshard as run_cli
 
 
 def sd(value: float) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import reshard_svc
-from reshard_svc.checksums import crc32c
+from reshard_svc.format.checksums import crc32c
 from reshard_svc.storage import S3Storage, open_storage
 from reshard_svc.storage.s3 import S3ChecksumWriter
 

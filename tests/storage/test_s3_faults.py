@@ -15,7 +15,7 @@ import torch
 
 import reshard_svc
 from reshard_svc.storage import open_storage
-from tests.s3_faults import FaultProxy
+from tests.support.s3_faults import FaultProxy
 
 pytestmark = pytest.mark.s3
 

@@ -21,7 +21,7 @@ from reshard_svc.errors import (
     UnsafePickleError,
     UnsupportedFormatError,
 )
-from reshard_svc.index import INDEX_NAME
+from reshard_svc.format.index import INDEX_NAME
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard_svc.boxes import check_tiling, overlaps
 from reshard_svc.errors import InconsistentIndexError
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
+from reshard_svc.layout.box import check_tiling, overlaps
 
 
 @st.composite

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard_svc.checksums import BlockTable, crc32c
 from reshard_svc.errors import ChecksumError
+from reshard_svc.format.checksums import BlockTable, crc32c
 
 BS = 4096  # the smallest block size the index accepts
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import reshard_svc
-from reshard_svc.checksums import DEFAULT_BLOCK_SIZE as BS
 from reshard_svc.errors import ChecksumError
+from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE as BS
 
 N = 640 * 1024 + 3  # fp32 elements: 2.5 MiB + 12 bytes
 

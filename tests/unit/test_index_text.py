@@ -7,7 +7,7 @@ import json
 import torch
 
 import reshard_svc
-from reshard_svc.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 
 
 def test_index_text_round_trips_with_one_tensor_and_file_per_line(tmp_path):

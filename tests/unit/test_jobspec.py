@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard_svc.callback import EventReporter
 from reshard_svc.errors import UsageError
-from reshard_svc.jobspec import (
+from reshard_svc.jobs.events import EventReporter
+from reshard_svc.plan.spec import (
     CHECKSUMS,
     FORMATS,
     STRATEGIES,

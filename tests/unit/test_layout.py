@@ -9,8 +9,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reshard_svc import _compat
-from reshard_svc.boxes import check_tiling
 from reshard_svc.errors import LayoutError
 from reshard_svc.layout import (
     Box,
@@ -22,6 +20,8 @@ from reshard_svc.layout import (
     local_slices,
     parse_placement,
 )
+from reshard_svc.layout.box import check_tiling
+from reshard_svc.runtime import _compat
 
 EXAMPLES = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -69,7 +69,7 @@ def torch_local(global_tensor: torch.Tensor, layout: Layout, coord) -> torch.Ten
 
 def assemble(global_tensor: torch.Tensor, boxes: list[Box]) -> torch.Tensor:
     """A rank's local tensor built from its boxes, placed by ``local_slices``."""
-    from reshard_svc.layout import _local_shape
+    from reshard_svc.layout.sharding import _local_shape
 
     out = torch.full(_local_shape(boxes), -1, dtype=global_tensor.dtype)
     for box, where in zip(boxes, local_slices(boxes)):

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import reshard_svc
 from reshard_svc.errors import ChecksumError, StateDictError
-from tests.cli import reshard
+from tests.support.cli import reshard
 
 
 class Exploding:

@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard_svc.index import CheckpointIndex
+from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import Layout
-from reshard_svc.output_plan import assign_files, plan_native, target_bands
-from reshard_svc.read_plan import StorageCost, choose_plan
-from reshard_svc.save_plan import FileSpec
+from reshard_svc.plan.output import assign_files, plan_native, target_bands
+from reshard_svc.plan.read import StorageCost, choose_plan
+from reshard_svc.plan.save import FileSpec
 from tests.unit.test_read_plan import ISZ, stored
 
 

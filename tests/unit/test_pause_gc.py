@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import reshard_svc
+from reshard_svc._collector import collector_paused
 from reshard_svc.errors import CheckpointError
-from reshard_svc.pause_gc import collector_paused
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +85,7 @@ def test_convert_runs_with_the_collector_off_and_restores_it(tmp_path):
 
 
 def test_index_parsing_runs_with_the_collector_off(tmp_path, monkeypatch):
-    import reshard_svc.index as index_mod
+    import reshard_svc.format.index as index_mod
 
     reshard_svc.save({"w": torch.ones(4)}, str(tmp_path / "c"))
     raw = (tmp_path / "c" / index_mod.INDEX_NAME).read_bytes()

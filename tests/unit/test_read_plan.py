@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reshard_svc.boxes import check_tiling
-from reshard_svc.index import CheckpointIndex, Chunk, TensorMeta
+from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Box, Layout
-from reshard_svc.read_plan import ReadPlan, band_limit, plan_reads, row_step
+from reshard_svc.layout.box import check_tiling
+from reshard_svc.plan.read import ReadPlan, band_limit, plan_reads, row_step
 from tests.unit.test_layout import cases
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -220,7 +220,7 @@ def _replicated_problem():
 
 
 def test_auto_keeps_read_once_off_local_files_and_picks_direct_on_a_page_cache():
-    from reshard_svc.read_plan import StorageCost, choose_plan
+    from reshard_svc.plan.read import StorageCost, choose_plan
 
     index, wanted = _replicated_problem()
     total = 4096 * 1024 * ISZ
@@ -242,7 +242,7 @@ def test_cost_settings_come_from_the_environment(monkeypatch):
     import pytest
 
     from reshard_svc.errors import UsageError
-    from reshard_svc.read_plan import StorageCost
+    from reshard_svc.plan.read import StorageCost
     from reshard_svc.storage import open_storage
 
     storage = open_storage("memory://cost-settings")

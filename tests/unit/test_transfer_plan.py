@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from reshard_svc.errors import TransferError
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
-from reshard_svc.transfer_plan import Cat, Side, plan_transfer
+from reshard_svc.plan.transfer import Cat, Side, plan_transfer
 
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ISZ = 8  # float64: values are exact

@@ -26,7 +26,7 @@ async def inspect_checkpoint(
 ) -> dict[str, Any]:
     """Tensors (dtype, shape, layout, chunks), files and extras of a checkpoint."""
     from reshard_svc import inspect
-    from reshard_svc.inspection import describe_index
+    from reshard_svc.format.inspection import describe_index
 
     try:
         path = check_uri(uri, settings.roots, what="uri")

@@ -21,7 +21,7 @@ from reshard_server.jobs import token_hash
 from reshard_server.paths import check_uri
 from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic, JobState, ProgressPublic
 from reshard_svc.errors import PathNotAllowedError, UsageError
-from reshard_svc.jobspec import check_event
+from reshard_svc.plan.spec import check_event
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
 

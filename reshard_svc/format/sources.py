@@ -22,9 +22,9 @@ from reshard_svc.errors import (
     MissingFileError,
     NotACheckpointError,
 )
-from reshard_svc.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.safetensors import ParsedHeader, parse_header
 from reshard_svc.layout import Box
-from reshard_svc.safetensors_io import ParsedHeader, parse_header
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["SAVE_TOKEN_KEY", "open_checkpoint", "read_header"]
@@ -76,7 +76,7 @@ def open_checkpoint(
             _check_hf_index(storage, index)
         return storage, index
     if ".metadata" in names:
-        from reshard_svc.dcp_pickle import index_from_distcp
+        from reshard_svc.format.dcp import index_from_distcp
 
         return storage, index_from_distcp(storage)
     raise NotACheckpointError(

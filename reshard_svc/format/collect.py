@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from reshard_svc.errors import CheckpointError
-from reshard_svc.index import INDEX_NAME, CheckpointIndex
-from reshard_svc.sources import HF_INDEX
+from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.format.sources import HF_INDEX
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = [

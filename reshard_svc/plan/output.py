@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard_svc.index import CheckpointIndex, Chunk
+from reshard_svc.format.index import CheckpointIndex, Chunk
+from reshard_svc.format.safetensors import encode_header, itemsize
 from reshard_svc.layout import Box, Layout
-from reshard_svc.read_plan import band_limit, row_step, split_rows
-from reshard_svc.safetensors_io import encode_header, itemsize
-from reshard_svc.save_plan import FileSpec, TensorPlacement, plan_save
+from reshard_svc.plan.read import band_limit, row_step, split_rows
+from reshard_svc.plan.save import FileSpec, TensorPlacement, plan_save
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",

@@ -67,7 +67,7 @@ def placements_for(name: str, mesh_ndim: int, variant: int) -> list[str]:
     }
     menu = menu_1d if mesh_ndim == 1 else menu_2d
     key = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
-    from reshard_svc.placements import split_top_level
+    from reshard_svc.layout.placements import split_top_level
 
     return split_top_level(menu[variant][key])
 
@@ -77,8 +77,8 @@ def build_state_dict(mesh_shape: tuple[int, ...], variant: int, fill: bool = Tru
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from reshard_svc import _compat
     from reshard_svc.layout import parse_placements
+    from reshard_svc.runtime import _compat
 
     mesh = init_device_mesh("cpu", mesh_shape)
     sd: dict = {"model": {"layers": {"0": {}}}, "optim": {"state": {}}, "step": 0, "meta": {}}
@@ -114,7 +114,7 @@ def leaf(sd: dict, name: str):
 
 def mismatches(sd: dict) -> list[str]:
     """Tensor names whose full value differs from the expected global tensor."""
-    from reshard_svc import _compat
+    from reshard_svc.runtime import _compat
 
     bad = []
     for name in TENSORS:

@@ -18,7 +18,7 @@
       "extras": {"step": 100}
     }
 
-v2 adds the block CRC32C table of every data file (see :mod:`reshard_svc.checksums`);
+v2 adds the block CRC32C table of every data file (see :mod:`reshard_svc.format.checksums`);
 ``"algorithm": "sha256"`` adds a whole-file sha256 as well, ``"none"`` records no
 checksums. v1 checkpoints (an optional whole-file sha256 only) stay readable.
 
@@ -38,17 +38,17 @@ from typing import Any
 
 import torch
 
-from reshard_svc.boxes import check_tiling
-from reshard_svc.checksums import ALGORITHMS, BlockTable, check_block_size
+from reshard_svc._collector import collector_paused
 from reshard_svc.errors import (
     CorruptCheckpointError,
     InconsistentIndexError,
     LayoutError,
     UnsupportedFormatError,
 )
+from reshard_svc.format.checksums import ALGORITHMS, BlockTable, check_block_size
+from reshard_svc.format.safetensors import dtype_from_name, dtype_name, itemsize
 from reshard_svc.layout import Box, Layout
-from reshard_svc.pause_gc import collector_paused
-from reshard_svc.safetensors_io import dtype_from_name, dtype_name, itemsize
+from reshard_svc.layout.box import check_tiling
 
 __all__ = [
     "Blob",

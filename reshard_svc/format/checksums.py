@@ -19,7 +19,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import crc32c as _crc32c
 
@@ -31,6 +31,7 @@ __all__ = [
     "BlockStream",
     "BlockTable",
     "FileChecksummer",
+    "HashingWriter",
     "check_algorithm",
     "crc32c",
 ]
@@ -259,3 +260,35 @@ class BlockStream:
         ):
             raise ValueError("pieces end inside a block")  # a bug, not bad input
         return self.checked
+
+
+#: :class:`HashingWriter` checksums and writes large buffers in pieces of this size.
+WRITE_PIECE = 1024 * 1024
+
+
+class HashingWriter:
+    """Wraps a binary stream written front to back; counts bytes and checksums them
+    (block CRC32C, plus sha256 when ``algorithm="sha256"``; nothing for ``"none"``)."""
+
+    def __init__(
+        self, raw: IO[bytes], algorithm: str = "crc32c", block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> None:
+        self.raw = raw
+        self.sums = FileChecksummer(algorithm, block_size)
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Checksum and write ``data`` a piece at a time, so the write copies each piece
+        while the checksum pass has it in cache (one read from memory, not two)."""
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        for off in range(0, max(n, 1), WRITE_PIECE):
+            piece = view[off : off + WRITE_PIECE]
+            self.sums.update(piece)
+            self.raw.write(piece)
+        self.size += n
+        return n
+
+    def result(self) -> dict[str, Any]:
+        """The index fields of this file's checksums."""
+        return self.sums.result()

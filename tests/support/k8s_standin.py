@@ -33,8 +33,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from tests.distributed.harness import free_port
-from tests.k8s_schema import TrainJobInvalid, validate_trainjob
+from tests.support.harness import free_port
+from tests.support.k8s_schema import TrainJobInvalid, validate_trainjob
 
 __all__ = ["StandInCluster"]
 

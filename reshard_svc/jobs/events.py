@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from reshard_svc.jobspec import check_event
+from reshard_svc.plan.spec import check_event
 
 __all__ = ["CALLBACK_TOKEN_ENV", "CALLBACK_URL_ENV", "EventReporter"]
 

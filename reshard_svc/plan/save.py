@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard_svc.index import Chunk
+from reshard_svc.format.index import Chunk
+from reshard_svc.format.safetensors import encode_header, itemsize
 from reshard_svc.layout import Box, Layout, choose_writers
-from reshard_svc.safetensors_io import encode_header, itemsize
 
 __all__ = ["FileSpec", "SavePlan", "TensorPlacement", "plan_save"]
 

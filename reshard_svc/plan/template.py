@@ -4,9 +4,9 @@ A DTensor checkpoint repeats itself: the 126 layers of a Llama-405B have the sam
 (shape, source layout, target layout) triples, so their plans differ only in which file
 and byte offset each stored chunk sits at. :func:`build_template` plans one tensor in
 chunk-relative terms (chunk index and byte skip instead of file and offset, target index
-within the tensor); :mod:`reshard_svc.read_plan` plans each distinct template once and
+within the tensor); :mod:`reshard_svc.plan.read` plans each distinct template once and
 instantiates it per tensor. The rules are those of the module docstring of
-:mod:`reshard_svc.read_plan` (row bands, one reader per stored byte under ``exchange``).
+:mod:`reshard_svc.plan.read` (row bands, one reader per stored byte under ``exchange``).
 
 Readers are chosen without any state from other tensors: the holder that receives most of
 a read, then the one that has read least within this tensor, then a rotation by
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard_svc.boxes import overlaps
 from reshard_svc.layout import Box
+from reshard_svc.layout.box import overlaps
 
 __all__ = [
     "TBand",

@@ -23,7 +23,7 @@ from dataclasses import replace as dc_replace
 from typing import Any
 
 from reshard_svc.errors import LayoutError, UsageError
-from reshard_svc.index import CheckpointIndex
+from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import (
     Layout,
     Mesh,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from reshard_svc.errors import UsageError
 
 if TYPE_CHECKING:
-    from reshard_svc.read_plan import ReadPlan
+    from reshard_svc.plan.read import ReadPlan
 
 __all__ = ["StorageCost"]
 

@@ -116,8 +116,8 @@ def _mesh(ranks: list[int], shape: tuple[int, ...] | None = None) -> Any:
 def _dtensor(mesh: Any, placements: list[str], value: torch.Tensor) -> Any:
     from torch.distributed.tensor import distribute_tensor
 
-    from reshard_svc import _compat
-    from reshard_svc.placements import parse_placements
+    from reshard_svc.layout.placements import parse_placements
+    from reshard_svc.runtime import _compat
 
     pls = _compat.to_torch_placements(parse_placements(placements))
     return distribute_tensor(value, mesh, pls, src_data_rank=None)

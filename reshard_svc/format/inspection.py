@@ -23,8 +23,8 @@ from reshard_svc.errors import (
     StateDictError,
     StorageError,
 )
-from reshard_svc.index import CheckpointIndex
-from reshard_svc.sources import open_checkpoint, read_header
+from reshard_svc.format.index import CheckpointIndex
+from reshard_svc.format.sources import open_checkpoint, read_header
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["VerifyReport", "describe_index", "inspect", "read_blob", "verify"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from reshard_svc.errors import CorruptCheckpointError, UnsafePickleError
-from reshard_svc.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.layout import Box
 from reshard_svc.storage import Storage
 

@@ -24,32 +24,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from reshard_svc.boxes import Box
 from reshard_svc.errors import LayoutError
-from reshard_svc.mesh import Mesh
-from reshard_svc.placements import (
+from reshard_svc.layout.box import Box
+from reshard_svc.layout.mesh import Mesh
+from reshard_svc.layout.placements import (
     Placement,
     Replicate,
     Shard,
     StridedShard,
-    parse_placement,
     parse_placements,
 )
 
-__all__ = [
-    "Box",
-    "Layout",
-    "Mesh",
-    "Placement",
-    "Replicate",
-    "Shard",
-    "StridedShard",
-    "WriteItem",
-    "choose_writers",
-    "local_slices",
-    "parse_placement",
-    "parse_placements",
-]
+__all__ = ["Layout", "WriteItem", "choose_writers", "local_slices"]
 
 
 # --------------------------------------------------------------------------- layout

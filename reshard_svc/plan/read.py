@@ -15,7 +15,7 @@ Pure: every rank computes the same plan from the source index and the wanted tar
   buffers, send and receive buffers, target buffers) stay under the budget; each wave is
   one ``all_to_all``, and every target band is complete at the end of its wave.
 * **Templates.** Tensors with the same shape, stored boxes and target boxes (the layers
-  of a model) share one chunk-relative plan (:mod:`reshard_svc.plan_template`), planned
+  of a model) share one chunk-relative plan (:mod:`reshard_svc.plan.template`), planned
   once and placed at each tensor's files and offsets; reads and parts are built per wave
   as the executor reaches it. Only distinct layouts are planned; the rest is one pass
   over the chunk lists (and a repeated plan comes from a small cache).
@@ -35,10 +35,10 @@ from typing import Any, overload
 import numpy as np
 
 from reshard_svc.errors import UsageError
-from reshard_svc.index import CheckpointIndex, Chunk
+from reshard_svc.format.index import CheckpointIndex, Chunk
 from reshard_svc.layout import Box
-from reshard_svc.plan_cost import StorageCost
-from reshard_svc.plan_template import Template, band_limit, build_template, row_step, split_rows
+from reshard_svc.plan.cost import StorageCost
+from reshard_svc.plan.template import Template, band_limit, build_template, row_step, split_rows
 
 __all__ = [
     "Part",
@@ -245,7 +245,7 @@ def plan_reads(
     Target boxes stay whole; ``convert`` passes boxes already cut with :func:`split_rows`
     on the same grid (:func:`row_step` of ``budget // 4``) so each is written when its
     wave ends. Tensors with the same shape, stored chunks and targets share one
-    :class:`~reshard_svc.plan_template.Template`, planned once; a plan for the same
+    :class:`~reshard_svc.plan.template.Template`, planned once; a plan for the same
     inputs is served from a small cache.
     """
     if strategy not in ("exchange", "direct"):

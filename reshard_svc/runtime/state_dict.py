@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from reshard_svc import _compat
 from reshard_svc.errors import StateDictError
+from reshard_svc.runtime import _compat
 
 __all__ = ["Leaf", "flatten", "unflatten"]
 

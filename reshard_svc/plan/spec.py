@@ -10,7 +10,7 @@ The worker (``python -m reshard_svc.worker``), the server and the CLI all speak 
   both ways (``from_argv(to_argv(s)) == s``).
 - Progress events — ``progress``, ``done`` and ``error`` records (:func:`check_event`),
   written as JSON lines (:func:`read_events` tolerates a half-written last line) and posted
-  to the server by :mod:`reshard_svc.callback`.
+  to the server by :mod:`reshard_svc.jobs.events`.
 
 This module imports neither torch nor the server, so anything may use it cheaply.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard_svc.errors import UsageError
-from reshard_svc.mesh import MAX_MESH_SIZE
+from reshard_svc.layout.mesh import MAX_MESH_SIZE
 
 __all__ = [
     "CHECKSUMS",
@@ -145,7 +145,7 @@ def parse_rules(rules: Any) -> dict[str, str | list[str]] | None:
     if rules is None:
         return None
     from reshard_svc.errors import LayoutError
-    from reshard_svc.placements import parse_placements
+    from reshard_svc.layout.placements import parse_placements
 
     if not isinstance(rules, Mapping):
         raise UsageError("rules must map a tensor-name glob to placements, e.g. {'*.wq*': 'S(0)'}")
@@ -340,7 +340,7 @@ class ConvertSpec:
                 except json.JSONDecodeError as e:
                     raise UsageError(f"--rules is not valid JSON: {e}") from None
             from reshard_svc.errors import LayoutError
-            from reshard_svc.rules import load_rules
+            from reshard_svc.plan.rules import load_rules
 
             try:
                 rules = dict(load_rules(rules))

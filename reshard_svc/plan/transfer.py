@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from reshard_svc.boxes import Box, check_tiling, overlaps
 from reshard_svc.errors import InconsistentIndexError, TransferError
+from reshard_svc.layout.box import Box, check_tiling, overlaps
 
 __all__ = ["Bucket", "Cat", "Move", "RankWork", "Side", "TransferPlan", "plan_transfer"]
 

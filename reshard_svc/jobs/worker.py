@@ -1,0 +1,144 @@
+"""torchrun entry point: ``torchrun ... -m reshard_svc.worker convert SRC DST [options]``.
+
+Every worker runs :func:`reshard_svc.convert`; the backend is NCCL when CUDA is available
+and gloo otherwise (same code path). Any launch torchrun supports works: ``--standalone``
+on one host, ``--nnodes N --rdzv-backend c10d`` under ``srun``, or a Kubeflow TrainJob
+(``PET_*`` variables). The command line is :class:`reshard_svc.plan.spec.ConvertSpec`'s.
+
+Rank 0 reports ``progress`` events after every wave, then ``done`` or ``error``: as JSON
+lines to ``--progress-file`` and/or POSTed to ``RESHARD_CALLBACK_URL`` (see
+:mod:`reshard_svc.jobs.events`). The exit code is 0 only after the target is committed; 2 for
+a bad option. SIGTERM (what torchrun, ``scancel`` and Kubernetes send) ends a worker before
+any commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from reshard_svc._collector import collector_paused
+from reshard_svc.errors import UsageError
+from reshard_svc.jobs.events import EventReporter
+from reshard_svc.plan.spec import ConvertSpec, build_parser
+
+__all__ = ["build_parser", "main"]
+
+logger = logging.getLogger("reshard_svc.worker")
+
+
+def _die_with_parent() -> None:
+    """Exit when torchrun (our parent) dies: no orphans, no late commit.
+
+    ``PR_SET_PDEATHSIG`` only covers a parent that dies *after* the call, and this process
+    ran for seconds (importing torch) before it; so a parent that is no longer torchrun
+    (we were re-parented) means it already died, and we exit now.
+    """
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read()
+    except OSError:
+        parent = b""
+    if b"torch.distributed.run" not in parent and b"torchrun" not in parent:
+        logger.error("our torchrun parent is gone (now %d); exiting", os.getppid())
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    # Every line names its rank; ranks other than 0 only speak up on errors (each rank
+    # plans the same thing, so their info and warnings would repeat rank 0's).
+    level = os.environ.get("LOGLEVEL", "INFO") if rank == 0 else "ERROR"
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
+    )
+    if os.environ.get("RESHARD_JOB_ID") or os.environ.get("RESHARD_DIE_WITH_PARENT"):
+        _die_with_parent()
+    reporter = EventReporter.from_env(args.progress_file) if rank == 0 else EventReporter()
+    try:
+        spec = ConvertSpec.from_args(args)
+    except UsageError as e:
+        reporter.send({"event": "error", "error": f"UsageError: {e}"})
+        reporter.close()
+        logger.error("rank %d: %s", rank, e)
+        return 2
+    code = run(spec, reporter)
+    reporter.close()
+    return code
+
+
+def run(spec: ConvertSpec, reporter: EventReporter) -> int:
+    """Join the process group (NCCL with GPUs, else gloo), convert, report; 0 once committed."""
+    # What is imported here (torch: hundreds of thousands of objects) lives until exit.
+    # Collecting during the import is wasted work, and afterwards the collector should not
+    # walk it again in every full collection: import with collection off, then freeze.
+    with collector_paused(freeze=True):
+        import torch
+        import torch.distributed as dist
+
+        from reshard_svc.runtime.convert import convert
+
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) >= 1
+    if distributed and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    started = time.time()
+
+    def progress(info: Any) -> None:
+        reporter.send({"event": "progress", **info.to_json()})
+
+    try:
+        result = convert(
+            spec.source,
+            spec.target,
+            mesh=None if spec.mesh is None else ",".join(f"{k}={n}" for k, n in spec.mesh.items()),
+            rules=spec.rules,
+            format=spec.format,
+            dtype=spec.dtype,
+            strategy=spec.strategy,
+            max_memory=spec.max_memory,
+            max_shard_size=spec.max_shard_size,
+            progress=progress,
+            checksum=spec.checksum,
+            overwrite=spec.overwrite,
+            only=spec.only,
+            strip_prefix=spec.strip_prefix,
+        )
+    except Exception as e:
+        reporter.send({"event": "error", "error": f"{type(e).__name__}: {e}"})
+        logger.error("rank %d: convert failed: %s: %s", rank, type(e).__name__, e)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 1
+    reporter.send(
+        {
+            "event": "done",
+            "strategy": result.strategy,
+            "seconds": round(time.time() - started, 3),
+            "bytes_read": result.bytes_read_total,
+            "bytes_written": result.bytes_written_total,
+            "bytes_exchanged": result.bytes_exchanged,
+            "tensors": len(result.index.tensors),
+        }
+    )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
