@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +74,10 @@ def model_bytes(size: str, itemsize: int = 2) -> int:
 
 
 def placements(kind: str, target: str) -> list[str]:
-    """Placements for a 1-D mesh: tp (TP layout), shard0 (all Shard(0)), rep (Replicate)."""
+    """Placements for a 1-D mesh: tp (TP layout), shard0 (all Shard(0)), rep (Replicate);
+    dp2tp: a (dp=2, tp) mesh, replicated over dp, the TP layout over tp."""
+    if target == "dp2tp":
+        return ["R", *placements(kind, "tp")]
     if target == "rep" or kind == "norm":
         return ["R"]
     if target == "shard0":
@@ -92,14 +96,18 @@ def build(size: str, target: str, fill: bool) -> dict[str, Any]:
     from reshard_svc.runtime import _compat
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    dims = (2, world // 2) if target == "dp2tp" else (world,)
+    mesh = init_device_mesh("cpu", dims)
     sd: dict[str, Any] = {}
     for name, (shape, kind) in llama(size).items():
         pls = parse_placements(placements(kind, target))
-        layout = Layout(Mesh((world,)), pls)
+        layout = Layout(Mesh(dims), pls)
         local_shape = layout.local_shape(shape, rank)
         if fill:
-            g = torch.Generator().manual_seed(hash((name, rank)) % 2**31)
+            # Seeded by where the shard sits, so replicas (norms) hold the same bytes on
+            # every rank, as in a real job (save compares them).
+            box = layout.rank_boxes(shape, rank)[0]
+            g = torch.Generator().manual_seed(zlib.crc32(repr((name, box.offsets)).encode()))
             local = torch.randn(local_shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
         else:
             local = torch.zeros(local_shape, dtype=torch.bfloat16)

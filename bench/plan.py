@@ -26,7 +26,8 @@ import torch
 
 from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Layout
-from reshard_svc.plan.read import _CACHE, StorageCost, choose_plan
+from reshard_svc.plan.items import Held
+from reshard_svc.plan.read import PLANS, StorageCost, choose_plan
 
 LAYERS, H, F, V, KV = 126, 16384, 53248, 128256, 1024
 BUDGET = 512 * 1024 * 1024  # load's default max_memory
@@ -78,14 +79,14 @@ def saved_index(model: dict, src: dict[str, Layout]) -> CheckpointIndex:
 
 
 def wanted_at(model: dict, dst: dict[str, Layout]) -> dict:
-    return {n: [(it.box, it.holders) for it in dst[k].write_items(s, 2)]
+    return {n: [Held(box=it.box, holders=it.holders) for it in dst[k].write_items(s, 2)]
             for n, (s, k) in model.items()}  # fmt: skip
 
 
 def time_plan(index, wanted, world: int, strategy: str, runs: int) -> tuple[float, object]:
     times, plan = [], None
     for _ in range(runs):
-        _CACHE.clear()
+        PLANS.clear()
         t0 = time.perf_counter()
         plan = choose_plan(index, wanted, world, BUDGET, strategy, LOCAL)
         times.append(time.perf_counter() - t0)

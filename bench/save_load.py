@@ -1,9 +1,12 @@
 """Save and load a Llama-shaped bf16 state dict (~2.7 GB) with reshard_svc and torch DCP.
 
 Same run, interleaved, the order rotated each run: save at TP=4 on 4 gloo ranks (ours
-with block CRC32Cs, the default; ours with ``checksum="none"``; DCP FileSystemWriter),
-then load each checkpoint into TP=2 and into Replicate on 2 ranks (ours verifies every
-block it reads; ``ours-none`` loads the checksum-free copy, so nothing is verified). For
+with block CRC32Cs, the default; ours with ``checksum="none"``; ours with
+``check_replicas=False``; DCP FileSystemWriter), then load each checkpoint into TP=2 and
+into Replicate on 2 ranks (ours verifies every block it reads; ``ours-none`` loads the
+checksum-free copy, so nothing is verified). With ``--variants all`` also a save from a
+(dp=2, tp=2) mesh, where every byte has two holders whose copies ``save`` compares
+(``ours``) or not (``ours-unchecked``): the replica check's worst case. For
 each: median wall time (max over ranks, between barriers), peak RSS per rank, and bytes
 read from storage relative to the checkpoint (``rchar``, or reshard_svc's own count of
 what it fetched, whichever is more).
@@ -38,11 +41,15 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     system, op = args.system, args.op
     path = os.path.join(args.dir, system)
-    if op == "save":
-        sd = common.build(args.size, "tp", fill=True)
-        if system in ("ours", "ours-none"):
-            checksum = "crc32c" if system == "ours" else "none"
-            res = common.timed(lambda: reshard_svc.save(sd, path, checksum=checksum))
+    if op in ("save", "save2d"):
+        sd = common.build(args.size, "tp" if op == "save" else "dp2tp", fill=True)
+        path = os.path.join(args.dir, system if op == "save" else f"{system}-2d")
+        if system.startswith("ours"):
+            checksum = "none" if system == "ours-none" else "crc32c"
+            check = system != "ours-unchecked"
+            res = common.timed(
+                lambda: reshard_svc.save(sd, path, checksum=checksum, check_replicas=check)
+            )
         else:
             res = common.timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)))
     else:
@@ -63,20 +70,22 @@ def variants(op: str, which: str) -> tuple[str, ...]:
     """The systems measured for ``op``: ``--variants all`` or just the defaults vs DCP."""
     if which == "defaults":
         return ("ours", "dcp")
-    return (
-        ("ours", "ours-none", "dcp")
-        if op == "save"
-        else ("ours", "ours-none", "ours-direct", "dcp")
-    )
+    if op == "save":
+        return ("ours", "ours-none", "ours-unchecked", "dcp")
+    if op == "save2d":
+        return ("ours", "ours-unchecked", "dcp")
+    return ("ours", "ours-none", "ours-direct", "dcp")
 
 
 def main() -> None:
     ap = common.bench_parser(__doc__, "/dev/shm/reshard-bench")
     ap.add_argument(
-        "--system", choices=["ours", "ours-none", "ours-direct", "dcp"], help=argparse.SUPPRESS
+        "--system",
+        choices=["ours", "ours-none", "ours-unchecked", "ours-direct", "dcp"],
+        help=argparse.SUPPRESS,
     )
-    ap.add_argument("--op", choices=["save", "tp", "rep"], help=argparse.SUPPRESS)
-    common.add_variants(ap, "ours (crc32c), ours-none, ours-direct and dcp")
+    ap.add_argument("--op", choices=["save", "save2d", "tp", "rep"], help=argparse.SUPPRESS)
+    common.add_variants(ap, "ours (crc32c), ours-none, ours-unchecked, ours-direct and dcp")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -85,11 +94,14 @@ def main() -> None:
     results = os.path.join(args.dir, "results.jsonl")
     model = common.model_bytes(args.size)
     ops = [("save", 4), ("tp", 2), ("rep", 2)]
+    if args.variants != "defaults":
+        ops.insert(1, ("save2d", 4))
     runs: dict[tuple[str, str], list] = {}
     try:
         for run in range(args.runs):
             for system in variants("save", args.variants):
                 shutil.rmtree(os.path.join(args.dir, system), ignore_errors=True)
+                shutil.rmtree(os.path.join(args.dir, f"{system}-2d"), ignore_errors=True)
             for op, n in ops:
                 # interleaved, same conditions; rotated, so no variant always runs first
                 for system in common.rotated(variants(op, args.variants), run):
@@ -105,6 +117,7 @@ def main() -> None:
         shutil.rmtree(args.dir, ignore_errors=True)
     names = {
         "save": "save TP=4 (4 ranks)",
+        "save2d": "save (dp=2, tp=2): every byte on 2 ranks (4 ranks)",
         "tp": "load -> TP=2 (2 ranks)",
         "rep": "load -> Replicate (2 ranks)",
     }
@@ -119,6 +132,15 @@ def main() -> None:
             summary[f"{op}_wall_ratio_crc32c_over_none"] = round(ours["wall_s"] / none["wall_s"], 2)
             summary[f"{op}_wall_ratio_crc32c_over_none_paired"] = common.paired_ratio(
                 runs[("ours", op)], runs[("ours-none", op)]
+            )
+        if ("ours-unchecked", op) in runs:
+            unchecked = common.summarize(runs[("ours-unchecked", op)], model)
+            rows.insert(1, ("ours-unchecked", unchecked))
+            summary[f"{op}_wall_ratio_replicas_checked_over_unchecked"] = round(
+                ours["wall_s"] / unchecked["wall_s"], 3
+            )
+            summary[f"{op}_wall_ratio_replicas_checked_over_unchecked_paired"] = (
+                common.paired_ratio(runs[("ours", op)], runs[("ours-unchecked", op)])
             )
         if ("ours-direct", op) in runs:
             direct = common.summarize(runs[("ours-direct", op)], model)

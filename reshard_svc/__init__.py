@@ -11,19 +11,24 @@ from typing import TYPE_CHECKING
 from reshard_svc._version import __version__
 from reshard_svc.errors import (
     CheckpointError,
+    ChecksumError,
     CorruptCheckpointError,
     DistributedError,
     InconsistentIndexError,
     LayoutError,
+    MissingFileError,
     NotACheckpointError,
     PathNotAllowedError,
+    ReplicaMismatchError,
     ReshardError,
     StateDictError,
     StorageError,
+    TargetExistsError,
     TransferAbortedError,
     TransferError,
     UnsafePickleError,
     UnsupportedFormatError,
+    UsageError,
 )
 
 #: Public name -> the module that defines it. Imported on first use (PEP 562), so that
@@ -49,7 +54,8 @@ _LAZY = {
     "LoadStats": "reshard_svc.runtime.load",
     "load": "reshard_svc.runtime.load",
     "save": "reshard_svc.runtime.save",
-    "PlanCache": "reshard_svc.runtime.transfer",
+    "LocalShard": "reshard_svc.runtime.state_dict",
+    "PlanCache": "reshard_svc.plan.cache",
     "TransferResult": "reshard_svc.runtime.transfer",
     "transfer": "reshard_svc.runtime.transfer",
     "Cat": "reshard_svc.plan.transfer",
@@ -75,12 +81,14 @@ if TYPE_CHECKING:
     from reshard_svc.format.index import CheckpointIndex
     from reshard_svc.format.inspection import VerifyReport, inspect, read_blob, verify
     from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard, WriteItem
+    from reshard_svc.plan.cache import PlanCache
     from reshard_svc.plan.transfer import Cat
     from reshard_svc.runtime.async_save import AsyncSaver, async_save
     from reshard_svc.runtime.convert import ConvertResult, convert
     from reshard_svc.runtime.load import LoadStats, load
     from reshard_svc.runtime.save import save
-    from reshard_svc.runtime.transfer import PlanCache, TransferResult, transfer
+    from reshard_svc.runtime.state_dict import LocalShard
+    from reshard_svc.runtime.transfer import TransferResult, transfer
 
 __all__ = [
     "AsyncSaver",
@@ -88,6 +96,7 @@ __all__ = [
     "Cat",
     "CheckpointError",
     "CheckpointIndex",
+    "ChecksumError",
     "ConvertResult",
     "CorruptCheckpointError",
     "DistributedError",
@@ -95,21 +104,26 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LoadStats",
+    "LocalShard",
     "Mesh",
+    "MissingFileError",
     "NotACheckpointError",
     "PathNotAllowedError",
     "PlanCache",
+    "ReplicaMismatchError",
     "Replicate",
     "ReshardError",
     "Shard",
     "StateDictError",
     "StorageError",
     "StridedShard",
+    "TargetExistsError",
     "TransferAbortedError",
     "TransferError",
     "TransferResult",
     "UnsafePickleError",
     "UnsupportedFormatError",
+    "UsageError",
     "VerifyReport",
     "WriteItem",
     "__version__",

@@ -5,7 +5,8 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     ReshardError
     ├── UsageError (ValueError)           a bad argument or option value (size, dtype, ...)
     ├── LayoutError (ValueError)          bad mesh, placements, shape or rule text
-    ├── StateDictError (ValueError)       unsupported values, missing / unexpected keys
+    ├── StateDictError (ValueError)       unsupported values, missing keys, keys that differ
+    │   └── ReplicaMismatchError          two ranks hold different bytes for one box
     ├── CheckpointError                   the checkpoint on storage is not usable
     │   ├── NotACheckpointError           no committed index at that URI
     │   ├── TargetExistsError             a save would replace a checkpoint (no overwrite)
@@ -36,6 +37,7 @@ __all__ = [
     "MissingFileError",
     "NotACheckpointError",
     "PathNotAllowedError",
+    "ReplicaMismatchError",
     "ReshardError",
     "StateDictError",
     "StorageError",
@@ -62,6 +64,15 @@ class LayoutError(ReshardError, ValueError):
 
 class StateDictError(ReshardError, ValueError):
     """A state dict value or key that save/load cannot handle."""
+
+
+class ReplicaMismatchError(StateDictError):
+    """Ranks that hold the same box of a tensor hold different bytes (replicas that do not
+    agree). ``tensor`` names it and ``ranks`` are the ranks that hold it."""
+
+    def __init__(self, message: str, *, tensor: str = "", ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.tensor, self.ranks = tensor, tuple(ranks)
 
 
 class CheckpointError(ReshardError):

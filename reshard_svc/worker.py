@@ -1,9 +1,7 @@
 """``python -m reshard_svc.worker``: the torchrun entry point (see
 :mod:`reshard_svc.jobs.worker`), kept at this name for launch scripts and TrainJobs."""
 
-import sys
-
-from reshard_svc.jobs.worker import main
+from reshard_svc.jobs.worker import process_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    process_main()

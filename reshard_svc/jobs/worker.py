@@ -18,14 +18,14 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from reshard_svc._collector import collector_paused
 from reshard_svc.errors import UsageError
 from reshard_svc.jobs.events import EventReporter
 from reshard_svc.plan.spec import ConvertSpec, build_parser
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "process_main"]
 
 logger = logging.getLogger("reshard_svc.worker")
 
@@ -140,5 +140,20 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
     return 0
 
 
+def process_main() -> NoReturn:
+    """``python -m reshard_svc.worker``: run :func:`main` and leave with its code.
+
+    torch 2.13's gloo sometimes aborts while the interpreter tears down after sub-mesh
+    work, which would turn a committed run into a failed one (torchrun and the engines
+    judge a job by its exit code). The process group is already destroyed and every
+    report sent, so the process exits at once with the run's own code.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    process_main()

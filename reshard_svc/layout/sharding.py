@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from reshard_svc.errors import LayoutError
+from reshard_svc.layout.balance import least_loaded
 from reshard_svc.layout.box import Box
 from reshard_svc.layout.mesh import Mesh
 from reshard_svc.layout.placements import (
@@ -247,7 +248,8 @@ def choose_writers(
     itemsize: int,
     load: MutableSequence[int],
 ) -> dict[Box, int]:
-    """One writer per box: the least-loaded holder, biggest boxes first.
+    """One writer per box: the least-loaded holder, biggest boxes first (the one rule,
+    :func:`~reshard_svc.layout.balance.least_loaded`).
 
     Ties break by a rotation derived from ``salt`` (the global shape) and the box, so
     equal replicated tensors spread over ranks. ``load`` (bytes per rank) is updated in
@@ -258,7 +260,7 @@ def choose_writers(
     for box in sorted(holders, key=lambda b: (-b.numel, b.offsets)):
         hs = holders[box]
         rot = zlib.crc32(repr((tuple(salt), box.offsets, box.sizes)).encode()) % world
-        w = min(hs, key=lambda r: (load[r], (r - rot) % world))
+        w = least_loaded(hs, load, turn=rot)
         load[w] += box.numel * itemsize
         writers[box] = w
     return writers

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from reshard_svc.format.index import CheckpointIndex, Chunk
-from reshard_svc.format.safetensors import encode_header, itemsize
+from reshard_svc.format.safetensors import dtype_name, encode_header, itemsize
 from reshard_svc.layout import Box, Layout
+from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.plan.read import band_limit, row_step, split_rows
-from reshard_svc.plan.save import FileSpec, TensorPlacement, plan_save
+from reshard_svc.plan.save import FileSpec, plan_save
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -75,16 +76,18 @@ def plan_native(
     workers: int, token: str, suffix: str,
 ) -> OutputPlan:  # fmt: skip
     world = max((lay.mesh.size for lay in layouts.values()), default=1)
-    placements = []
-    for name, meta in index.tensors.items():
-        lay = layouts[name]
-        items = lay.write_items(meta.shape)
-        placements.append(
-            TensorPlacement(
-                name, dtypes[name], meta.shape, lay, tuple((it.box, it.holders) for it in items)
-            )
-        )
-    plan = plan_save(placements, world, token=token, file_suffix=suffix)
+    holdings = {
+        name: Holdings(
+            dtype=dtype_name(dtypes[name]),
+            itemsize=itemsize(dtypes[name]),
+            shape=meta.shape,
+            held=tuple(
+                Held(box=it.box, holders=it.holders) for it in layouts[name].write_items(meta.shape)
+            ),
+        )  # fmt: skip
+        for name, meta in index.tensors.items()
+    }
+    plan = plan_save(holdings, world, token=token, file_suffix=suffix)
     return OutputPlan(
         tuple(assign_files(list(plan.files), workers)), plan.chunks, dict(layouts), dtypes
     )
@@ -131,22 +134,22 @@ def plan_hf(
 
 def target_bands(
     out: OutputPlan, index: CheckpointIndex, budget: int
-) -> tuple[dict[str, list[tuple[Box, tuple[int, ...]]]], dict[tuple[str, Box], tuple[str, int]]]:
+) -> tuple[dict[str, list[Held]], dict[tuple[str, Box], tuple[str, int]]]:
     """Target boxes cut on the read plan's row grid, each with its writer, and where each
     band lands: (file, byte offset)."""
     writer_of = {f.name: f.writer for f in out.files}
-    wanted: dict[str, list[tuple[Box, tuple[int, ...]]]] = {}
+    wanted: dict[str, list[Held]] = {}
     where: dict[tuple[str, Box], tuple[str, int]] = {}
     for name, chunks in out.chunks.items():
         meta = index.tensors[name]
         step = row_step(meta.shape, meta.itemsize, band_limit(budget))
         osz = itemsize(out.dtypes[name])
-        bands: list[tuple[Box, tuple[int, ...]]] = []
+        bands: list[Held] = []
         for c in chunks:
             row = math.prod(c.box.sizes[1:]) * osz if c.box.ndim else 0
             for band in split_rows(c.box, step):
                 off = (band.offsets[0] - c.box.offsets[0]) * row if band.ndim else 0
                 where[(name, band)] = (c.file, c.begin + off)
-                bands.append((band, (writer_of[c.file],)))
+                bands.append(Held(box=band, holders=(writer_of[c.file],)))
         wanted[name] = bands
     return wanted, where

@@ -12,13 +12,17 @@ Pure: every rank computes the same plan from the source index and the wanted tar
 * **Parts.** A read's intersection with a target box goes to every holder of that box;
   the reader keeps its own and sends the rest.
 * **Waves.** Whole row bands are grouped so that each rank's in-flight bytes (read
-  buffers, send and receive buffers, target buffers) stay under the budget; each wave is
-  one ``all_to_all``, and every target band is complete at the end of its wave.
+  buffers, send and receive buffers, target buffers) stay under the budget (the one
+  packer, :func:`~reshard_svc.plan.packing.pack`); each wave is one ``all_to_all``, and
+  every target band is complete at the end of its wave.
 * **Templates.** Tensors with the same shape, stored boxes and target boxes (the layers
   of a model) share one chunk-relative plan (:mod:`reshard_svc.plan.template`), planned
   once and placed at each tensor's files and offsets; reads and parts are built per wave
   as the executor reaches it. Only distinct layouts are planned; the rest is one pass
-  over the chunk lists (and a repeated plan comes from a small cache).
+  over the chunk lists (and a repeated plan comes from :data:`PLANS`).
+
+The plan speaks :mod:`reshard_svc.plan.items` (:class:`Read`, :class:`Piece`,
+:class:`Target`), as every plan the executor runs does.
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ import numpy as np
 from reshard_svc.errors import UsageError
 from reshard_svc.format.index import CheckpointIndex, Chunk
 from reshard_svc.layout import Box
+from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.cost import StorageCost
+from reshard_svc.plan.items import Held, Piece, Read, Target
+from reshard_svc.plan.packing import pack
 from reshard_svc.plan.template import Template, band_limit, build_template, row_step, split_rows
 
 __all__ = [
-    "Part",
-    "Read",
+    "PLANS",
+    "BandWave",
     "ReadPlan",
-    "TargetBox",
-    "Wave",
     "StorageCost",
     "band_limit",
     "choose_plan",
@@ -56,42 +61,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TargetBox:
-    tensor: str
-    box: Box
-    holders: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Read:
-    """One ranged read: rows of a stored chunk, ``[begin, end)`` of ``file``."""
-
-    id: int
-    tensor: str
-    file: str
-    begin: int
-    end: int
-    box: Box
-    reader: int
-    encoding: str = "raw"
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-@dataclass(frozen=True)
-class Part:
-    """Region ``box`` of read ``read`` delivered into target ``target`` on rank ``dest``."""
-
-    read: int
-    box: Box
-    target: int
-    dest: int
-    nbytes: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,11 +75,11 @@ class _Instance:
 
 
 @dataclass(frozen=True, eq=False)
-class Wave:
+class BandWave:
     """One ``all_to_all``: whole row bands of some tensors, as (tensor plan, band) items.
 
-    ``reads`` and ``parts`` are built from the templates on each access (the executor
-    takes them once per wave), parts ordered by (reader, dest, read, box).
+    ``reads`` and ``pieces`` are built from the templates on each access (the executor
+    takes them once per wave), pieces ordered by (reader, dest, read, box).
     """
 
     items: tuple[tuple[_Instance, int], ...]
@@ -126,25 +95,27 @@ class Wave:
             for i, r in enumerate(band.reads):
                 c = inst.chunks[r.chunk]
                 begin = c.begin + r.skip
-                out.append(Read(base + i, inst.tensor, c.file, begin, begin + r.nbytes, r.box,
-                                r.reader, c.encoding))  # fmt: skip
+                out.append(Read(id=base + i, tensor=inst.tensor, box=r.box, reader=r.reader,
+                                file=c.file, begin=begin, end=begin + r.nbytes,
+                                encoding=c.encoding))  # fmt: skip
         return tuple(out)
 
     @property
-    def parts(self) -> tuple[Part, ...]:
+    def pieces(self) -> tuple[Piece, ...]:
         keyed = []
         for inst, b in self.items:
             band = inst.template.bands[b]
             base = inst.read_base + inst.template.read_offsets[b]
             t0 = inst.target_base
-            for p in band.parts:
-                part = Part(base + p.read, p.box, t0 + p.target, p.dest, p.nbytes)
-                keyed.append(((band.reads[p.read].reader, p.dest, part.read, p.box), part))
+            for p in band.pieces:
+                piece = Piece(read=base + p.read, box=p.box, target=t0 + p.target, dest=p.dest,
+                              nbytes=p.nbytes)  # fmt: skip
+                keyed.append(((band.reads[p.read].reader, p.dest, piece.read, p.box), piece))
         keyed.sort(key=lambda kp: kp[0])
         return tuple(p for _, p in keyed)
 
 
-class _Targets(Sequence[TargetBox]):
+class _Targets(Sequence[Target]):
     """Every target box of the plan, by index, built on access from the templates."""
 
     def __init__(self, instances: Sequence[_Instance]) -> None:
@@ -156,10 +127,10 @@ class _Targets(Sequence[TargetBox]):
         return self._n
 
     @overload
-    def __getitem__(self, i: int) -> TargetBox: ...
+    def __getitem__(self, i: int) -> Target: ...
     @overload
-    def __getitem__(self, i: slice) -> Sequence[TargetBox]: ...
-    def __getitem__(self, i: int | slice) -> TargetBox | Sequence[TargetBox]:
+    def __getitem__(self, i: slice) -> Sequence[Target]: ...
+    def __getitem__(self, i: int | slice) -> Target | Sequence[Target]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._n))]
         if i < 0:
@@ -167,24 +138,26 @@ class _Targets(Sequence[TargetBox]):
         if not 0 <= i < self._n:
             raise IndexError(i)
         inst = self._inst[bisect.bisect_right(self._bases, i) - 1]
-        box, holders = inst.template.targets[i - inst.target_base]
-        return TargetBox(inst.tensor, box, holders)
+        held = inst.template.targets[i - inst.target_base]
+        return Target(tensor=inst.tensor, box=held.box, holders=held.holders)
 
-    def __iter__(self) -> Iterator[TargetBox]:
+    def __iter__(self) -> Iterator[Target]:
         for inst in self._inst:
-            for box, holders in inst.template.targets:
-                yield TargetBox(inst.tensor, box, holders)
+            for held in inst.template.targets:
+                yield Target(tensor=inst.tensor, box=held.box, holders=held.holders)
 
 
 @dataclass(frozen=True, eq=False)
 class ReadPlan:
     """The whole plan; every rank computes the same one. Frozen once built."""
 
-    targets: Sequence[TargetBox]
-    waves: tuple[Wave, ...]
+    targets: Sequence[Target]
+    waves: tuple[BandWave, ...]
     world: int
     strategy: str
     instances: tuple[_Instance, ...] = field(default=(), repr=False)
+    #: one ``all_to_all`` per wave (a read plan's pieces go between most pairs of ranks)
+    point_to_point = False
 
     @property
     def tensor_count(self) -> int:
@@ -234,13 +207,13 @@ def warn_if_over_budget(index: CheckpointIndex, names: Iterable[str], budget: in
 
 def plan_reads(
     index: CheckpointIndex,
-    wanted: Mapping[str, Sequence[tuple[Box, tuple[int, ...]]]],
+    wanted: Mapping[str, Sequence[Held]],
     world: int,
     budget: int,
     *,
     strategy: str = "exchange",
 ) -> ReadPlan:
-    """Plan reading ``wanted`` (tensor -> distinct target boxes with holder ranks).
+    """Plan reading ``wanted`` (tensor -> its distinct target boxes and their holders).
 
     Target boxes stay whole; ``convert`` passes boxes already cut with :func:`split_rows`
     on the same grid (:func:`row_step` of ``budget // 4``) so each is written when its
@@ -255,7 +228,7 @@ def plan_reads(
 
 def choose_plan(
     index: CheckpointIndex,
-    wanted: Mapping[str, Sequence[tuple[Box, tuple[int, ...]]]],
+    wanted: Mapping[str, Sequence[Held]],
     world: int,
     budget: int,
     strategy: str,
@@ -273,12 +246,18 @@ def choose_plan(
     if strategy not in ("auto", "exchange", "direct"):
         raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
     sigs = _signatures(index, wanted)
-    key = (world, budget, strategy, cost if strategy == "auto" else None,
-           tuple(s[0] for s in sigs))  # fmt: skip
-    for i, (k, s, cached) in enumerate(_CACHE):
-        if k == key and s == sigs:  # the whole inputs, compared (not a hash)
-            _CACHE.append(_CACHE.pop(i))
-            return cached
+    key = (world, budget, strategy, cost if strategy == "auto" else None, sigs)
+    return PLANS.get_or_build(key, lambda: _choose(index, sigs, world, budget, strategy, cost))
+
+
+def _choose(
+    index: CheckpointIndex,
+    sigs: tuple[Any, ...],
+    world: int,
+    budget: int,
+    strategy: str,
+    cost: StorageCost | None,
+) -> ReadPlan:
     ids: dict[Any, int] = {}  # template key -> small id: each key hashed once per call
     tids = [ids.setdefault(s[1], len(ids)) for s in sigs]
     if strategy != "auto":
@@ -293,24 +272,20 @@ def choose_plan(
             plan = direct
         else:
             plan = exchange
-    _CACHE.append((key, sigs, plan))
-    del _CACHE[:-_CACHE_SIZE]
     return plan
 
 
-def _signatures(
-    index: CheckpointIndex, wanted: Mapping[str, Sequence[tuple[Box, tuple[int, ...]]]]
-) -> tuple[Any, ...]:
+def _signatures(index: CheckpointIndex, wanted: Mapping[str, Sequence[Held]]) -> tuple[Any, ...]:
     """Per tensor: (name, template key, where its chunks are stored). The template key is
     (shape, itemsize, stored boxes, non-empty target boxes, their holders); built with
     C-level getters, as it is one pass over every chunk and target box."""
     sigs = []
     for name in sorted(wanted):
         meta = index.tensors[name]
-        pairs = wanted[name]
-        boxes = tuple(map(_FIRST, pairs))
+        held = wanted[name]
+        boxes = tuple(map(_BOX, held))
         geo = tuple(map(_BOX_SIG, boxes))
-        holders = tuple(map(_SECOND, pairs))
+        holders = tuple(map(_HOLDERS, held))
         if not set(map(type, holders)) <= {tuple}:
             holders = tuple(tuple(h) for h in holders)
         if 0 in itertools.chain.from_iterable(map(_SIZES, boxes)):  # drop empty boxes
@@ -350,9 +325,10 @@ def _plan(
                     tuple(instances))  # fmt: skip
 
 
-_CACHE: list[tuple[Any, tuple[Any, ...], ReadPlan]] = []  # newest last
-_CACHE_SIZE = 4
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+#: The last few read plans, keyed by their whole inputs: the checkpoint's chunks, the
+#: target boxes and holders, world, budget, strategy and cost model.
+PLANS: PlanCache[ReadPlan] = PlanCache(4)
+_BOX, _HOLDERS = operator.attrgetter("box"), operator.attrgetter("holders")
 _BOX_SIG = operator.attrgetter("offsets", "sizes")
 _SIZES = operator.attrgetter("sizes")
 
@@ -361,26 +337,17 @@ def _template(tkey: Any, limit: int, world: int, strategy: str, variant: int = 0
     shape, itemsize, chunks, geo, holders = tkey
     return build_template(
         [(Box.trusted(c[0], c[1]), c[2], c[3] if len(c) > 3 else 0) for c in chunks],
-        [(Box.trusted(o, s), h) for (o, s), h in zip(geo, holders)],
+        [Held(box=Box.trusted(o, s), holders=h) for (o, s), h in zip(geo, holders)],
         shape, itemsize, limit, world, strategy, variant,
     )  # fmt: skip
 
 
-def _waves(instances: Sequence[_Instance], world: int, budget: int) -> tuple[Wave, ...]:
-    """Pack whole row bands, in order, into waves under the per-rank byte budget."""
-    waves: list[Wave] = []
-    items: list[tuple[_Instance, int]] = []
-    done = 0
-    use = np.zeros(world, dtype=np.int64)
-    for inst in instances:
-        for b, band in enumerate(inst.template.bands):
-            if items and bool(((use + band.use) > budget).any()):
-                waves.append(Wave(tuple(items), done))
-                items, done = [], 0
-                use = np.zeros(world, dtype=np.int64)
-            items.append((inst, b))
-            use += band.use
-        done += 1
-    if items:
-        waves.append(Wave(tuple(items), done))
-    return tuple(waves)
+def _waves(instances: Sequence[_Instance], world: int, budget: int) -> tuple[BandWave, ...]:
+    """Whole row bands, in order, packed into waves under the per-rank byte budget."""
+    items = [(inst, b) for inst in instances for b in range(len(inst.template.bands))]
+    last = [b == len(inst.template.bands) - 1 for inst, b in items]
+    costs = (inst.template.bands[b].use for inst, b in items)
+    return tuple(
+        BandWave(tuple(items[start:end]), sum(last[start:end]))
+        for start, end in pack(costs, world, budget)
+    )

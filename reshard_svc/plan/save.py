@@ -13,28 +13,17 @@ any data moves.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from reshard_svc.format.index import Chunk
-from reshard_svc.format.safetensors import encode_header, itemsize
-from reshard_svc.layout import Box, Layout, choose_writers
+from reshard_svc.format.safetensors import dtype_from_name, encode_header
+from reshard_svc.layout import Box, choose_writers
+from reshard_svc.plan.items import Holdings
 
-__all__ = ["FileSpec", "SavePlan", "TensorPlacement", "plan_save"]
+__all__ = ["FileSpec", "SavePlan", "plan_save"]
 
 DCP_VERSION = "1.0"
-
-
-@dataclass(frozen=True)
-class TensorPlacement:
-    """Where one tensor's data lives at save time (ranks of the saving process group)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    layout: Layout | None
-    boxes: tuple[tuple[Box, tuple[int, ...]], ...]  # distinct non-empty boxes, holders
 
 
 @dataclass(frozen=True)
@@ -56,20 +45,22 @@ class SavePlan:
 
 
 def plan_save(
-    tensors: list[TensorPlacement], world: int, *, token: str = "", file_suffix: str = ""
+    tensors: Mapping[str, Holdings], world: int, *, token: str = "", file_suffix: str = ""
 ) -> SavePlan:
-    """Plan a save of ``tensors`` by ``world`` ranks. Same inputs, same plan, on every rank."""
+    """Plan a save of ``tensors`` (name -> holdings) by ``world`` ranks. Same inputs, same
+    plan, on every rank."""
     load = [0] * world
     per_rank: dict[int, list[tuple[str, Box]]] = {}
-    by_name = {t.name: t for t in tensors}
-    for t in sorted(tensors, key=lambda t: t.name):
-        holders = dict(t.boxes)
-        writers = choose_writers(holders, t.shape, itemsize(t.dtype), load)
+    dtypes = {name: dtype_from_name(t.dtype) for name, t in tensors.items()}
+    for name in sorted(tensors):
+        t = tensors[name]
+        holders = {h.box: h.holders for h in t.held if not h.box.is_empty}
+        writers = choose_writers(holders, t.shape, t.itemsize, load)
         for box in sorted(holders):
-            per_rank.setdefault(writers[box], []).append((t.name, box))
+            per_rank.setdefault(writers[box], []).append((name, box))
 
     files: list[FileSpec] = []
-    chunks: dict[str, list[Chunk]] = {t.name: [] for t in tensors}
+    chunks: dict[str, list[Chunk]] = {name: [] for name in tensors}
     for rank in sorted(per_rank):
         groups: list[list[tuple[str, Box]]] = []
         seen: dict[str, int] = {}
@@ -90,9 +81,7 @@ def plan_save(
             if token:
                 # A constant marker, not the token, so equal data gives equal bytes.
                 metadata["RESHARD_SAVE"] = "1"
-            header, ranges = encode_header(
-                [(n, by_name[n].dtype, b.sizes) for n, b in entries], metadata
-            )
+            header, ranges = encode_header([(n, dtypes[n], b.sizes) for n, b in entries], metadata)
             size = max((e for _, e in ranges.values()), default=len(header))
             for n, b in entries:
                 begin, end = ranges[n]

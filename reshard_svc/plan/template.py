@@ -8,10 +8,13 @@ within the tensor); :mod:`reshard_svc.plan.read` plans each distinct template on
 instantiates it per tensor. The rules are those of the module docstring of
 :mod:`reshard_svc.plan.read` (row bands, one reader per stored byte under ``exchange``).
 
-Readers are chosen without any state from other tensors: the holder that receives most of
-a read, then the one that has read least within this tensor, then a rotation by
-``variant``. Tensors that share a template but whose reads have ties (replicated targets)
-take successive variants, so their reads spread over the tied ranks.
+Readers are chosen by the one rule every planner uses
+(:func:`~reshard_svc.layout.balance.least_loaded`), without any state from other tensors:
+the holder that receives most of a read, then the one that has read least within this
+tensor, then a rotation by ``variant``. Tensors that share a template but whose reads have
+ties (replicated targets) take successive variants, so their reads spread over the tied
+ranks. A template's pieces are :class:`~reshard_svc.plan.items.Piece` with read and target
+indices relative to the band and the tensor; :mod:`reshard_svc.plan.read` offsets them.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard_svc.layout import Box
-from reshard_svc.layout.box import overlaps
+from reshard_svc.layout import Box, overlaps
+from reshard_svc.layout.balance import least_loaded
+from reshard_svc.plan.items import Held, Piece
 
 __all__ = [
+    "ChunkRead",
     "TBand",
-    "TPart",
-    "TRead",
     "Template",
     "band_limit",
     "build_template",
@@ -60,9 +63,10 @@ def split_rows(box: Box, step: int) -> list[Box]:
     return [Box.trusted((a, *rest_o), (b - a, *rest_s)) for a, b in zip(cuts, cuts[1:])]
 
 
-@dataclass(frozen=True, eq=False)
-class TRead:
-    """A ranged read of rows ``box`` of chunk ``chunk``: ``skip`` bytes past its begin."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkRead:
+    """A ranged read of rows ``box`` of chunk ``chunk`` (an index into the tensor's chunk
+    list): ``skip`` bytes past the chunk's begin, ``nbytes`` long, by rank ``reader``."""
 
     chunk: int
     skip: int
@@ -72,29 +76,18 @@ class TRead:
 
 
 @dataclass(frozen=True, eq=False)
-class TPart:
-    """Region ``box`` of the band's read ``read`` for target ``target`` on rank ``dest``."""
-
-    read: int
-    box: Box
-    target: int
-    dest: int
-    nbytes: int
-
-
-@dataclass(frozen=True, eq=False)
 class TBand:
     """Everything one global row band of the tensor needs; ``use`` is each rank's bytes in
     flight for it (read buffers, send buffers, receive or target buffers)."""
 
-    reads: tuple[TRead, ...]
-    parts: tuple[TPart, ...]
+    reads: tuple[ChunkRead, ...]
+    pieces: tuple[Piece, ...]  # read: index into reads; target: index into the template's
     use: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
 class Template:
-    targets: tuple[tuple[Box, tuple[int, ...]], ...]
+    targets: tuple[Held, ...]
     bands: tuple[TBand, ...]
     #: the most equally good readers any read had (instances rotate through that many)
     ties: int
@@ -112,7 +105,7 @@ ChunkSig = tuple[Box, str, int]  # box, encoding, stored length
 
 def build_template(
     chunks: Sequence[ChunkSig],
-    targets: Sequence[tuple[Box, tuple[int, ...]]],
+    targets: Sequence[Held],
     shape: Sequence[int],
     itemsize: int,
     limit: int,
@@ -123,7 +116,7 @@ def build_template(
     """Plan one tensor: ``chunks`` as stored, ``targets`` (non-empty boxes, holders)."""
     step = row_step(shape, itemsize, limit)
     by_band: dict[int, list[tuple[int, Box, int]]] = {}
-    for o in overlaps([c[0] for c in chunks], [t[0] for t in targets]):
+    for o in overlaps([c[0] for c in chunks], [t.box for t in targets]):
         if chunks[o.src][1] != "raw":  # read whole, in one band of its own
             by_band.setdefault(-1, []).append((o.src, o.box, o.dst))
             continue
@@ -142,7 +135,7 @@ def build_template(
 def _plan_band(
     pieces: list[tuple[int, Box, int]],
     chunks: Sequence[ChunkSig],
-    targets: Sequence[tuple[Box, tuple[int, ...]]],
+    targets: Sequence[Held],
     itemsize: int,
     strategy: str,
     load: list[int],
@@ -153,8 +146,8 @@ def _plan_band(
     per_chunk: dict[int, list[tuple[Box, int]]] = {}
     for ci, piece, t in pieces:
         per_chunk.setdefault(ci, []).append((piece, t))
-    reads: list[TRead] = []
-    parts: list[TPart] = []
+    reads: list[ChunkRead] = []
+    parts: list[Piece] = []
     use = np.zeros(len(load), dtype=np.int64)
     ties = 1
     for ci in sorted(per_chunk):
@@ -168,16 +161,16 @@ def _plan_band(
             for inter, _, dests in rparts:
                 for h in dests:
                     recv[h] = recv.get(h, 0) + inter.numel * itemsize
-            reader = _reader(recv, load, variant)
+            reader = least_loaded(list(recv), load, prefer=recv, turn=variant)
             ties = max(ties, sum(1 for v in recv.values() if v == recv[reader]))
             load[reader] += nb
             use[reader] += nb
             ri = len(reads)
-            reads.append(TRead(ci, skip, nb, read_box, reader))
+            reads.append(ChunkRead(chunk=ci, skip=skip, nbytes=nb, box=read_box, reader=reader))
             for inter, t, dests in rparts:
                 n = inter.numel * itemsize
                 for h in dests:
-                    parts.append(TPart(ri, inter, t, h, n))
+                    parts.append(Piece(read=ri, box=inter, target=t, dest=h, nbytes=n))
                     use[h] += n  # receive buffer or target buffer
                     if h != reader:
                         use[reader] += n  # packed send buffer
@@ -185,9 +178,8 @@ def _plan_band(
 
 
 def _summarize(
-    targets: tuple[tuple[Box, tuple[int, ...]], ...], bands: tuple[TBand, ...], ties: int,
-    world: int,
-) -> Template:  # fmt: skip
+    targets: tuple[Held, ...], bands: tuple[TBand, ...], ties: int, world: int
+) -> Template:
     read_bytes = np.zeros(world, dtype=np.int64)
     sent_bytes = np.zeros(world, dtype=np.int64)
     offsets = []
@@ -197,7 +189,7 @@ def _summarize(
         n_reads += len(band.reads)
         for r in band.reads:
             read_bytes[r.reader] += r.nbytes
-        for p in band.parts:
+        for p in band.pieces:
             total += p.nbytes
             src = band.reads[p.read].reader
             if p.dest != src:
@@ -207,20 +199,12 @@ def _summarize(
                     moved, total)  # fmt: skip
 
 
-def _reader(recv: dict[int, int], load: list[int], variant: int) -> int:
-    """The holder that receives most of a read, then the one that has read least in this
-    tensor; among those still tied, the ``variant``-th (rotating, lowest rank first)."""
-    best = max((v, -load[r]) for r, v in recv.items())
-    tied = sorted(r for r, v in recv.items() if (v, -load[r]) == best)
-    return tied[variant % len(tied)]
-
-
 def _read_boxes(
     chunk: Box,
     encoding: str,
     parts: list[tuple[Box, int]],
     strategy: str,
-    targets: Sequence[tuple[Box, tuple[int, ...]]],
+    targets: Sequence[Held],
 ) -> list[tuple[Box, list[tuple[Box, int, tuple[int, ...]]]]]:
     """The reads of one chunk's rows in one band: (read box, [(region, target, dests)]).
 
@@ -229,10 +213,10 @@ def _read_boxes(
     """
     if encoding != "raw" or strategy == "exchange":
         box = chunk if encoding != "raw" else _row_cover(chunk, [b for b, _ in parts])
-        return [(box, [(b, t, targets[t][1]) for b, t in parts])]
+        return [(box, [(b, t, targets[t].holders) for b, t in parts])]
     per_dest: dict[int, list[tuple[Box, int]]] = {}
     for b, t in parts:
-        for h in targets[t][1]:
+        for h in targets[t].holders:
             per_dest.setdefault(h, []).append((b, t))
     return [
         (_row_cover(chunk, [b for b, _ in ps]), [(b, t, (h,)) for b, t in ps])

@@ -1,32 +1,41 @@
 """Plan a live weight transfer between two meshes of one world: who sends which box to whom.
 
-Pure: every input is the gathered description of both sides (each tensor's dtype, shape and
+Pure: the inputs are the gathered holdings of both sides (each tensor's dtype, shape and
 distinct boxes with the ranks holding them), so every rank computes the same plan with no
 communication. The plan:
 
 - resolves target names to sources: one source, or the concatenation of several along a
   dim (:class:`Cat`: fused ``qkv_proj`` = cat(q, k, v)). Fusion is only offsets: a source
-  box is shifted into the target's coordinates, so no rank ever builds a full tensor;
+  box is placed at its offset in the target's coordinates, so no rank builds a full tensor;
 - refuses, before any byte moves, a target with no source, a source no target uses, a shape
   or dtype that differs, or sources whose holders do not tile them (:class:`TransferError`);
 - gives every target rank each byte it needs exactly once: a local copy when it holds the
   source itself, else from the least-loaded rank among those holding it (ties rotate with
-  the receiver), so sending spreads over every trainer replica;
-- groups whole target tensors into buckets whose send, receive and staging bytes fit the
-  budget on every rank; a failure can then be confined to one bucket (see
-  :mod:`reshard_svc.runtime.transfer`).
+  the receiver), so sending spreads over every trainer replica
+  (:func:`~reshard_svc.layout.balance.least_loaded`, the rule every planner uses);
+- packs whole target tensors into waves whose send, receive and staging bytes fit the
+  budget on every rank (:func:`~reshard_svc.plan.packing.pack`); a failure can then be
+  confined to one wave (see :mod:`reshard_svc.runtime.transfer`).
+
+The plan speaks :mod:`reshard_svc.plan.items`: each source box a sender uses is a
+:class:`~reshard_svc.plan.items.Read` from memory, each region moved a
+:class:`~reshard_svc.plan.items.Piece`, and it runs on the same executor as ``load``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+
+import numpy as np
 
 from reshard_svc.errors import InconsistentIndexError, TransferError
-from reshard_svc.layout.box import Box, check_tiling, overlaps
+from reshard_svc.layout import Box, check_tiling, overlaps
+from reshard_svc.layout.balance import least_loaded
+from reshard_svc.plan.items import Held, Holdings, Piece, Read, Target
+from reshard_svc.plan.packing import pack
 
-__all__ = ["Bucket", "Cat", "Move", "RankWork", "Side", "TransferPlan", "plan_transfer"]
+__all__ = ["Cat", "Holdings", "TransferPlan", "TransferWave", "plan_transfer"]
 
 
 @dataclass(frozen=True)
@@ -45,97 +54,46 @@ class Cat:
                 raise TransferError(f"Cat source names must be strings, got {s!r}")
 
 
-@dataclass(frozen=True)
-class Side:
-    """One tensor as the whole world holds it: dtype, shape, and each distinct box with the
-    ranks (in the transfer's group) that hold it."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransferWave:
+    """Whole target tensors, moved, checked and swapped in together."""
 
-    dtype: str
-    itemsize: int
-    shape: tuple[int, ...]
-    boxes: tuple[tuple[Box, tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class Move:
-    """``sender``'s view of ``src[src_box]`` at ``src_piece`` lands in ``receiver``'s view
-    of ``dst[dst_box]`` at ``dst_piece`` (pieces relative to their boxes)."""
-
-    src: str
-    src_box: Box
-    src_piece: Box
-    dst: str
-    dst_box: Box
-    dst_piece: Box
-    sender: int
-    receiver: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class RankWork:
-    """What one rank does in one bucket: bytes out per peer, in per peer, copies in place,
-    and the target boxes it stages (then swaps in)."""
-
-    sends: tuple[tuple[int, tuple[Move, ...]], ...]
-    recvs: tuple[tuple[int, tuple[Move, ...]], ...]
-    local: tuple[Move, ...]
-    staged: tuple[tuple[str, Box], ...]
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Whole target tensors moved, checked and swapped in together."""
-
+    reads: tuple[Read, ...]
+    pieces: tuple[Piece, ...]
     tensors: tuple[str, ...]
-    moves: tuple[Move, ...]
-    staged: tuple[tuple[int, str, Box], ...]
 
-    def work(self, rank: int) -> RankWork:
-        sends: dict[int, list[Move]] = {}
-        recvs: dict[int, list[Move]] = {}
-        local: list[Move] = []
-        for m in self.moves:
-            if m.sender == m.receiver == rank:
-                local.append(m)
-            elif m.sender == rank:
-                sends.setdefault(m.receiver, []).append(m)
-            elif m.receiver == rank:
-                recvs.setdefault(m.sender, []).append(m)
-        return RankWork(
-            tuple((p, tuple(ms)) for p, ms in sorted(sends.items())),
-            tuple((p, tuple(ms)) for p, ms in sorted(recvs.items())),
-            tuple(local),
-            tuple((name, box) for r, name, box in self.staged if r == rank),
-        )
+    @property
+    def tensors_done(self) -> int:
+        return len(self.tensors)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TransferPlan:
-    """The buckets, in order, and per-rank byte counts (sent, received, staged at peak)."""
+    """The waves, in order, and per-rank byte counts (sent, received, copied in place,
+    buffers at peak)."""
 
-    buckets: tuple[Bucket, ...]
+    targets: tuple[Target, ...]
+    waves: tuple[TransferWave, ...]
     world: int
     sent: tuple[int, ...]
     received: tuple[int, ...]
     copied: tuple[int, ...]
     peak: tuple[int, ...]
-    _work: dict[int, tuple[RankWork, ...]] = field(default_factory=dict, compare=False, repr=False)
+    bytes_total: int
+    point_to_point: bool = field(default=True, init=False)
 
-    def work(self, rank: int) -> tuple[RankWork, ...]:
-        """This rank's share of every bucket (computed once per rank)."""
-        if rank not in self._work:
-            self._work[rank] = tuple(b.work(rank) for b in self.buckets)
-        return self._work[rank]
+    @property
+    def tensor_count(self) -> int:
+        return sum(len(w.tensors) for w in self.waves)
 
-    @cached_property
+    @property
     def tensors(self) -> tuple[str, ...]:
-        return tuple(name for b in self.buckets for name in b.tensors)
+        return tuple(name for w in self.waves for name in w.tensors)
 
 
 def plan_transfer(
-    src: Mapping[str, Side],
-    dst: Mapping[str, Side],
+    src: Mapping[str, Holdings],
+    dst: Mapping[str, Holdings],
     names: Mapping[str, str | Cat] | None,
     world: int,
     budget: int,
@@ -148,18 +106,23 @@ def plan_transfer(
     """
     sources = _resolve(src, dst, names or {})
     load = [0] * world
-    per_tensor = []
-    for name in sorted(dst):
-        moves = _moves(name, dst[name], sources[name], src, load)
-        per_tensor.append((name, moves, _staged(dst[name])))
-    return _bucketed(per_tensor, dst, world, budget)
+    per_tensor = [_tensor(name, dst[name], sources[name], src, load, world) for name in sorted(dst)]
+    for t in per_tensor:
+        worst = int(np.argmax(t.cost))
+        if t.cost[worst] > budget:
+            raise TransferError(
+                f"target {t.name!r} alone needs {int(t.cost[worst])} bytes of buffers on rank "
+                f"{worst} (send, receive and staging), more than max_memory={budget}: raise "
+                "max_memory"
+            )
+    return _assemble(per_tensor, world, budget)
 
 
 # ---- names
 
 
 def _resolve(
-    src: Mapping[str, Side], dst: Mapping[str, Side], names: Mapping[str, str | Cat]
+    src: Mapping[str, Holdings], dst: Mapping[str, Holdings], names: Mapping[str, str | Cat]
 ) -> dict[str, list[tuple[str, int, int]]]:
     """Target name -> [(source name, offset along dim, dim)], checked."""
     for target in names:
@@ -170,8 +133,7 @@ def _resolve(
             )
     out: dict[str, list[tuple[str, int, int]]] = {}
     for name in sorted(dst):
-        how = names.get(name, name)
-        out[name] = _components(name, dst[name], how, src)
+        out[name] = _components(name, dst[name], names.get(name, name), src)
     used = {s for parts in out.values() for s, _, _ in parts}
     unused = sorted(set(src) - used)
     if unused:
@@ -183,7 +145,7 @@ def _resolve(
 
 
 def _components(
-    name: str, target: Side, how: str | Cat, src: Mapping[str, Side]
+    name: str, target: Holdings, how: str | Cat, src: Mapping[str, Holdings]
 ) -> list[tuple[str, int, int]]:
     if isinstance(how, str):
         how, single = Cat((how,), 0), True
@@ -234,7 +196,7 @@ def _few(items: Iterable[str], order: bool = True) -> str:
     return shown + (f" and {len(items) - 5} more" if len(items) > 5 else "") if items else "none"
 
 
-# ---- moves
+# ---- one target tensor
 
 
 def _shift(box: Box, dim: int, by: int) -> Box:
@@ -245,112 +207,110 @@ def _shift(box: Box, dim: int, by: int) -> Box:
     return Box.trusted(tuple(offs), box.sizes)
 
 
-def _moves(
+@dataclass(frozen=True, eq=False)
+class _Tensor:
+    """One target tensor's reads (ids relative to the tensor), pieces (read and target ids
+    relative too), targets, and what it costs each rank while in flight."""
+
+    name: str
+    reads: list[Read]
+    pieces: list[Piece]
+    targets: list[Target]
+    cost: np.ndarray
+
+
+def _tensor(
     name: str,
-    target: Side,
+    target: Holdings,
     parts: Sequence[tuple[str, int, int]],
-    src: Mapping[str, Side],
+    src: Mapping[str, Holdings],
     load: list[int],
-) -> list[Move]:
-    held: list[tuple[str, Box, Box, tuple[int, ...], int, int]] = []
+    world: int,
+) -> _Tensor:
+    """Pieces of one target tensor: every (target box, holder) gets each of its bytes once."""
+    held: list[tuple[str, Held, Box, int, int]] = []  # source, held, shifted box, offset, dim
     for s, offset, dim in parts:
         side = src[s]
         try:
-            check_tiling(side.shape, [b for b, _ in side.boxes], f"source {s!r}")
+            check_tiling(side.shape, [h.box for h in side.held], f"source {s!r}")
         except InconsistentIndexError as e:
             raise TransferError(
                 f"{e}: the ranks passing {s!r} must together hold each element once per "
                 "replica (pass it with one layout)"
             ) from None
-        for box, holders in side.boxes:
-            held.append((s, box, _shift(box, dim, offset), holders, offset, dim))
-    wanted = [(box, r) for box, holders in target.boxes for r in holders]
-    moves: list[Move] = []
-    for o in overlaps([h[2] for h in held], [w[0] for w in wanted]):
-        s, src_box, shifted, holders, offset, dim = held[o.src]
-        dst_box, receiver = wanted[o.dst]
+        held += [(s, h, _shift(h.box, dim, offset), offset, dim) for h in side.held]
+    targets = [Target(tensor=name, box=h.box, holders=h.holders) for h in target.held]
+    wanted = [(ti, r) for ti, t in enumerate(targets) for r in t.holders]
+    reads: dict[tuple[int, int], Read] = {}  # (held index, sender) -> read
+    pieces: list[Piece] = []
+    cost = np.zeros(world, dtype=np.int64)
+    for t in targets:
+        for r in t.holders:
+            cost[r] += t.box.numel * target.itemsize  # staging
+    for o in overlaps([h[2] for h in held], [targets[ti].box for ti, _ in wanted]):
+        s, h, shifted, offset, dim = held[o.src]
+        ti, receiver = wanted[o.dst]
         nbytes = o.box.numel * target.itemsize
-        sender = receiver if receiver in holders else _least_loaded(holders, load, receiver)
+        sender = least_loaded(h.holders, load, prefer={receiver: nbytes}, turn=receiver)
         if sender != receiver:
             load[sender] += nbytes
-        moves.append(
-            Move(
-                s,
-                src_box,
-                _shift(o.box, dim, -offset).relative_to(src_box),
-                name,
-                dst_box,
-                o.box.relative_to(dst_box),
-                sender,
-                receiver,
-                nbytes,
-            )
-        )
-    return moves
+            cost[sender] += nbytes
+            cost[receiver] += nbytes
+        key = (o.src, sender)
+        read = reads.get(key)
+        if read is None:
+            read = reads[key] = Read(
+                id=len(reads), tensor=s, box=shifted, reader=sender,
+                origin=h.box if offset else None,
+            )  # fmt: skip
+        pieces.append(Piece(read=read.id, box=o.box, target=ti, dest=receiver, nbytes=nbytes))
+    return _Tensor(name, list(reads.values()), pieces, targets, cost)
 
 
-def _least_loaded(holders: Sequence[int], load: Sequence[int], receiver: int) -> int:
-    k = len(holders)
-    start = receiver % k
-    rotated = [holders[(start + i) % k] for i in range(k)]
-    return min(rotated, key=lambda h: load[h])
+# ---- waves
 
 
-def _staged(target: Side) -> list[tuple[int, Box, int]]:
-    return [(r, box, box.numel * target.itemsize) for box, hs in target.boxes for r in hs]
-
-
-# ---- buckets
-
-
-def _bucketed(
-    per_tensor: Sequence[tuple[str, list[Move], list[tuple[int, Box, int]]]],
-    dst: Mapping[str, Side],
-    world: int,
-    budget: int,
-) -> TransferPlan:
-    sent, received, copied, peak = [0] * world, [0] * world, [0] * world, [0] * world
-    buckets: list[Bucket] = []
-    cur: list[tuple[str, list[Move], list[tuple[int, Box, int]]]] = []
-    cur_cost = [0] * world
-
-    def close() -> None:
-        if cur:
-            buckets.append(
-                Bucket(
-                    tuple(n for n, _, _ in cur),
-                    tuple(m for _, ms, _ in cur for m in ms),
-                    tuple((r, n, b) for n, _, st in cur for r, b, _ in st),
-                )
-            )
-            for r in range(world):
-                peak[r] = max(peak[r], cur_cost[r])
-        cur.clear()
-        cur_cost[:] = [0] * world
-
-    for name, moves, staged in per_tensor:
-        cost = [0] * world
-        for m in moves:
-            if m.sender == m.receiver:
-                copied[m.sender] += m.nbytes
-                continue
-            cost[m.sender] += m.nbytes
-            cost[m.receiver] += m.nbytes
-            sent[m.sender] += m.nbytes
-            received[m.receiver] += m.nbytes
-        for r, _, nbytes in staged:
-            cost[r] += nbytes
-        worst = max(range(world), key=lambda r: cost[r])
-        if cost[worst] > budget:
-            raise TransferError(
-                f"target {name!r} alone needs {cost[worst]} bytes of buffers on rank {worst} "
-                f"(send, receive and staging), more than max_memory={budget}: raise max_memory"
-            )
-        if any(cur_cost[r] + cost[r] > budget for r in range(world)):
-            close()
-        cur.append((name, moves, staged))
-        cur_cost[:] = [a + b for a, b in zip(cur_cost, cost)]
-    close()
+def _assemble(per_tensor: list[_Tensor], world: int, budget: int) -> TransferPlan:
+    """Whole tensors packed into waves; read and target ids made plan-wide (0..n-1)."""
+    sent, received, copied, peak = (np.zeros(world, dtype=np.int64) for _ in range(4))
+    targets: list[Target] = []
+    waves: list[TransferWave] = []
+    total = n_reads = 0
+    for start, end in pack((t.cost for t in per_tensor), world, budget):
+        reads: list[Read] = []
+        keyed: list[tuple[tuple[int, int, int, Box], Piece]] = []
+        for t in per_tensor[start:end]:
+            r0, t0 = n_reads, len(targets)
+            reads += [_renumber(r, r0) for r in t.reads]
+            n_reads += len(t.reads)
+            targets += t.targets
+            for p in t.pieces:
+                sender = t.reads[p.read].reader
+                piece = Piece(read=p.read + r0, box=p.box, target=p.target + t0, dest=p.dest,
+                              nbytes=p.nbytes)  # fmt: skip
+                keyed.append(((sender, p.dest, piece.read, p.box), piece))
+                total += p.nbytes
+                if sender == p.dest:
+                    copied[sender] += p.nbytes
+                else:
+                    sent[sender] += p.nbytes
+                    received[p.dest] += p.nbytes
+        keyed.sort(key=lambda kp: kp[0])
+        names = tuple(t.name for t in per_tensor[start:end])
+        waves.append(TransferWave(reads=tuple(reads), pieces=tuple(p for _, p in keyed),
+                                  tensors=names))  # fmt: skip
+        peak = np.maximum(peak, sum(t.cost for t in per_tensor[start:end]))
     return TransferPlan(
-        tuple(buckets), world, tuple(sent), tuple(received), tuple(copied), tuple(peak)
-    )
+        targets=tuple(targets), waves=tuple(waves), world=world,
+        sent=_ints(sent), received=_ints(received), copied=_ints(copied), peak=_ints(peak),
+        bytes_total=total,
+    )  # fmt: skip
+
+
+def _renumber(read: Read, base: int) -> Read:
+    return Read(id=read.id + base, tensor=read.tensor, box=read.box, reader=read.reader,
+                origin=read.origin)  # fmt: skip
+
+
+def _ints(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(x) for x in a)

@@ -41,6 +41,7 @@ from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import Box
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commit, write_files
+from reshard_svc.runtime.targets import replica_crcs
 from reshard_svc.storage import open_storage
 
 __all__ = ["AsyncSaver", "async_save"]
@@ -74,8 +75,10 @@ class AsyncSaver:
         storage_options: Mapping[str, Any] | None = None,
         checksum: str = "crc32c",
         overwrite: bool = False,
+        check_replicas: bool = True,
     ) -> Future[CheckpointIndex]:
-        """Stage ``state_dict`` and return a future of the committed index."""
+        """Stage ``state_dict`` and return a future of the committed index (arguments as
+        :func:`reshard_svc.save`)."""
         algorithm = check_algorithm(checksum)
         while len(self._inflight) >= self.max_in_flight:
             done = self._inflight.popleft()
@@ -85,16 +88,26 @@ class AsyncSaver:
                 logger.debug("previous async save failed", exc_info=True)
         comm = Comm(self._group)
         storage = open_storage(uri, storage_options)
-        prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite)
+        prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite, check_replicas)
         mine = {(name, box) for spec in prep.plan.files_of(comm.rank) for name, box in spec.entries}
-        for name, placed in prep.placed.items():
-            for box in [b for b in placed.local if (name, b) not in mine]:
-                del placed.local[box]  # another rank writes it; nothing to keep
         use_fork = (
             hasattr(os, "fork")
             and os.environ.get("RESHARD_ASYNC_FORK", "1") != "0"
             and all(v.device.type == "cpu" for p in prep.placed.values() for v in p.local.values())
         )
+        if not use_fork:
+            # Replicas this rank holds but does not write are checked now (a copy would
+            # cost more); a forked writer checks them from its copy-on-write view.
+            held_only = {
+                n: [b for b in bs if (n, b) not in mine] for n, bs in prep.replicas.items()
+            }
+            prep.early_crcs = replica_crcs(prep.placed, held_only)
+        keep = mine | (
+            {(n, b) for n, bs in prep.replicas.items() for b in bs} if use_fork else set()
+        )
+        for name, placed in prep.placed.items():
+            for box in [b for b in placed.local if (name, b) not in keep]:
+                del placed.local[box]  # another rank writes it; nothing to keep
         self._stage(prep, contiguous_only=use_fork)
         if use_fork:
             written = self._fork_writer(prep, comm.rank)
@@ -193,6 +206,7 @@ def async_save(
     storage_options: Mapping[str, Any] | None = None,
     checksum: str = "crc32c",
     overwrite: bool = False,
+    check_replicas: bool = True,
 ) -> Future[CheckpointIndex]:
     """Like :func:`reshard_svc.save`, but returns once the state is staged.
 
@@ -204,5 +218,10 @@ def async_save(
     if saver is None:
         saver = _SAVERS[key] = AsyncSaver(process_group)
     return saver.save(
-        state_dict, uri, storage_options=storage_options, checksum=checksum, overwrite=overwrite
+        state_dict,
+        uri,
+        storage_options=storage_options,
+        checksum=checksum,
+        overwrite=overwrite,
+        check_replicas=check_replicas,
     )

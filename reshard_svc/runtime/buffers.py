@@ -4,7 +4,8 @@
 contiguous memory runs, in row-major element order, so ``preadv`` can read stored bytes
 straight into place. ``BackgroundWriter`` checksums and writes buffers on helper threads
 (CRC32C, hashlib and file writes release the GIL), in submission order, with a cap on
-queued bytes so memory stays bounded. ``BufferPool`` recycles staging buffers.
+queued bytes so memory stays bounded. ``BufferPool`` recycles staging buffers;
+``Arena`` hands out the same memory again each time a plan runs.
 """
 
 from __future__ import annotations
@@ -22,9 +23,27 @@ import torch
 
 from reshard_svc.format.checksums import HashingWriter
 
-__all__ = ["BackgroundWriter", "BufferPool", "tensor_bytes", "tensor_runs"]
+__all__ = [
+    "ALIGN",
+    "Arena",
+    "BackgroundWriter",
+    "BufferPool",
+    "aligned",
+    "tensor_bytes",
+    "tensor_runs",
+]
 
+#: Pieces packed into exchange buffers, and views an :class:`Arena` hands out, start at
+#: multiples of this, so a byte view can be viewed as any dtype in place.
+ALIGN = 16
 MAX_RUNS = 16384
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 #: Bytes checksummed and then written at a time by a write thread (fits in L2).
 FUSED_PIECE = 1024 * 1024
 
@@ -108,6 +127,48 @@ class BufferPool:
             if self._kept + n <= self.max_bytes:
                 self._free.setdefault(n, []).append(raw)
                 self._kept += n
+
+
+class Arena:
+    """Byte buffers reused each time a plan runs: ``take`` hands out aligned views of
+    a few slabs, in order; ``reset`` starts over at the first slab. A plan run again makes
+    the same takes, so it gets the same memory and faults in no new pages (a cached
+    transfer plan keeps its arena). A slab too small for a take at its start is replaced;
+    views from before ``reset`` must be dropped first.
+    """
+
+    SLAB = 16 * 1024 * 1024
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._slabs: list[torch.Tensor] = []
+        self._at = (0, 0)  # (slab, offset) of the next take
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self._slabs)
+
+    def reset(self) -> None:
+        self._at = (0, 0)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 view of ``nbytes`` bytes."""
+        need = aligned(nbytes)
+        slab, off = self._at
+        if slab < len(self._slabs) and off + need > self._slabs[slab].numel() and off:
+            slab, off = slab + 1, 0
+        if slab == len(self._slabs):
+            self._slabs.append(torch.empty(max(need, self.SLAB), dtype=torch.uint8,
+                                           device=self.device))  # fmt: skip
+        elif off + need > self._slabs[slab].numel():  # too small even from its start
+            self._slabs[slab] = torch.empty(0, dtype=torch.uint8)  # free it first
+            self._slabs[slab] = torch.empty(need, dtype=torch.uint8, device=self.device)
+        self._at = (slab, off + need)
+        return self._slabs[slab][off : off + nbytes]
+
+    def take_like(self, like: torch.Tensor) -> torch.Tensor:
+        """A view shaped and typed like ``like`` (contiguous)."""
+        return self.take(like.numel() * like.element_size()).view(like.dtype).view(like.shape)
 
 
 class BackgroundWriter:

@@ -1,6 +1,7 @@
 """Collectives the runtime needs, over one process group, with nothing pickled.
 
-Metadata travels as JSON bytes in uint8 tensors; data travels with ``all_to_all_single``.
+Metadata travels as JSON bytes in uint8 tensors; data travels with ``all_to_all_single``
+or, for sparse plans, point-to-point sends (``batch_isend_irecv``).
 Buffers live on CUDA when the group's backend is NCCL and on the CPU otherwise (gloo), so
 the same code runs on both. Without an initialised process group, a :class:`Comm` is a
 world of one and every collective is a local no-op.
@@ -62,12 +63,15 @@ class Comm:
             for o, s in zip(outs, sizes)
         ]
 
-    def run_everywhere(self, what: str, fn: Callable[[], T]) -> tuple[T, list[Any]]:
+    def run_everywhere(
+        self, what: str, fn: Callable[[], T], share: Callable[[T], Any] | None = None
+    ) -> tuple[T, list[Any]]:
         """Run ``fn`` on every rank; if any rank fails, every rank raises.
 
         The failing rank re-raises its own exception; the others raise DistributedError
         naming the failed ranks and their messages (as text — nothing is pickled).
-        Returns this rank's result and the JSON-able results of all ranks.
+        Returns this rank's result and every rank's shared value: ``share(result)``, or the
+        result itself when it is JSON-able (else None).
         """
         err: BaseException | None = None
         result: Any = None
@@ -77,7 +81,8 @@ class Comm:
             err = e
         payload = {"error": f"{type(err).__name__}: {err}" if err else None}
         if err is None:
-            payload["result"] = result if _jsonable(result) else None
+            shared = share(result) if share is not None else result
+            payload["result"] = shared if _jsonable(shared) else None
         gathered = self.all_gather_json(payload)
         failures = {i: g["error"] for i, g in enumerate(gathered) if g["error"]}
         if err is not None:
@@ -87,22 +92,69 @@ class Comm:
             raise DistributedError(f"{what} failed on {len(failures)} rank(s): {text}", failures)
         return result, [g.get("result") for g in gathered]
 
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of ``values`` (int64s) over every rank."""
+        if not self.distributed or self.world == 1:
+            return [int(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
     # ---- data
 
-    def all_to_all(
-        self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]
+    def exchange(
+        self,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        *,
+        out: torch.Tensor | None = None,
+        point_to_point: bool = False,
     ) -> torch.Tensor:
-        """Exchange uint8 buffers: ``send_splits[d]`` bytes to rank d, ``recv_splits[s]`` from s."""
+        """Exchange uint8 buffers: ``send_splits[d]`` bytes to rank d, ``recv_splits[s]``
+        bytes from rank s, received into ``out`` (or a new buffer), segments in rank order.
+
+        ``point_to_point`` sends only to the ranks a segment is for (``batch_isend_irecv``):
+        for sparse exchanges, such as a transfer between two meshes, where most pairs of
+        ranks have nothing to say; otherwise one ``all_to_all_single``.
+        """
         total = int(sum(recv_splits))
         if not self.distributed or self.world == 1:
             return send
-        recv = torch.empty(total, dtype=torch.uint8, device=self.device)
+        recv = out if out is not None else torch.empty(total, dtype=torch.uint8)
+        if recv.device != self.device:
+            recv = torch.empty(total, dtype=torch.uint8, device=self.device)
         if send.device != self.device:
             send = send.to(self.device)
-        dist.all_to_all_single(
-            recv, send, list(map(int, recv_splits)), list(map(int, send_splits)), group=self.group
-        )
+        if point_to_point:
+            self._point_to_point(send, send_splits, recv, recv_splits)
+        else:
+            dist.all_to_all_single(
+                recv, send, list(map(int, recv_splits)), list(map(int, send_splits)),
+                group=self.group,
+            )  # fmt: skip
         return recv
+
+    def _point_to_point(
+        self,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv: torch.Tensor,
+        recv_splits: Sequence[int],
+    ) -> None:
+        ops = []
+        for buf, splits, op in ((send, send_splits, dist.isend), (recv, recv_splits, dist.irecv)):
+            at = 0
+            for peer, n in enumerate(splits):
+                if n:
+                    ops.append(dist.P2POp(op, buf[at : at + n], self._global(peer), self.group))
+                at += n
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
 
 def _jsonable(x: Any) -> bool:

@@ -45,8 +45,9 @@ from reshard_svc.plan.rules import resolve_layouts, select_tensors
 from reshard_svc.plan.spec import parse_dtype, parse_size
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.exchange import Progress, execute
+from reshard_svc.runtime.executor import Progress, execute
 from reshard_svc.runtime.load import open_shared
+from reshard_svc.runtime.reading import StorageSource
 from reshard_svc.runtime.writers import BandSink, FileWriter, copy_blobs
 from reshard_svc.storage import open_storage
 
@@ -267,10 +268,11 @@ class Conversion:
                     )
 
         self.comm.run_everywhere("convert: opening output files", open_writers)
-        bytes_read = execute(
-            plan, self.storage, {n: m.dtype for n, m in self.index.tensors.items()}, self.comm,
-            sink, progress, blocks=self.index.block_tables(), check_in_place=False,
+        source = StorageSource(
+            self.storage, {n: m.dtype for n, m in self.index.tensors.items()}, self.comm.rank,
+            self.index.block_tables(), check_in_place=False,
         )  # fmt: skip
+        bytes_read = execute(plan, source, self.comm, sink, progress=progress)
 
         def close_all() -> list[Any]:
             background.drain()

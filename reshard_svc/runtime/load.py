@@ -1,9 +1,10 @@
 """``load``: fill the caller's DTensors / Tensors in place from any checkpoint layout.
 
-Every rank calls :func:`load` with state dicts of the same keys. Rank 0 opens the
-checkpoint (index or headers) and broadcasts its description; every rank computes the
-same read plan; each needed stored byte is read by exactly one rank and the rest moves by
-``all_to_all`` (gloo on CPU, NCCL on CUDA).
+Every rank calls :func:`load` with the keys it wants (pipeline stages want their own
+layers). Rank 0 opens the checkpoint (index or headers) and shares its description; one
+all-gather tells every rank who wants which boxes; every rank computes the same read
+plan; each needed stored byte is read by exactly one rank and the rest moves by
+``all_to_all`` (gloo on CPU, NCCL on CUDA) on the one executor.
 """
 
 from __future__ import annotations
@@ -19,18 +20,13 @@ import torch
 from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
 from reshard_svc.format.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
 from reshard_svc.format.sources import open_checkpoint
-from reshard_svc.plan.read import (
-    Part,
-    ReadPlan,
-    StorageCost,
-    Wave,
-    choose_plan,
-    warn_if_over_budget,
-)
+from reshard_svc.plan.items import Piece, Wave
+from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.exchange import Progress, execute
+from reshard_svc.runtime.executor import Progress, execute
+from reshard_svc.runtime.reading import StorageSource
 from reshard_svc.runtime.state_dict import flatten, unflatten
-from reshard_svc.runtime.targets import Placed, describe, gather_holders
+from reshard_svc.runtime.targets import Placed, describe, gather
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["DEFAULT_MAX_MEMORY", "LoadStats", "load", "open_shared"]
@@ -105,41 +101,45 @@ def load(
 ) -> LoadStats:
     """Load a checkpoint into ``state_dict`` in place, whatever the layouts on either side.
 
-    ``strict`` (default) raises :class:`StateDictError` on keys missing from the checkpoint
-    or present in it but not in ``state_dict``; ``strict=False`` loads the intersection.
-    Non-tensor entries are replaced by the stored JSON values.
+    Every rank passes the keys it wants (they may differ between ranks: pipeline stages
+    pass their own layers). ``strict`` (default) raises :class:`StateDictError` when a
+    requested key is missing from the checkpoint; ``strict=False`` skips it. Checkpoint
+    keys that no rank asks for are not read. Non-tensor entries are replaced by the stored
+    JSON values; a :class:`~reshard_svc.runtime.state_dict.LocalShard`'s padding is filled
+    with its ``pad`` value.
 
     ``strategy="exchange"`` reads each needed stored byte once and moves the rest over
     the process group; ``"direct"`` lets every rank read what it needs itself (faster on
     a local page cache for replicated targets, more storage traffic). ``"auto"``
     (default) plans both and runs the cheaper under the storage's cost model
-    (:class:`~reshard_svc.plan.read.StorageCost`); off local files it keeps read-once.
+    (:class:`~reshard_svc.plan.cost.StorageCost`); off local files it keeps read-once.
     """
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)
-    placed, _ = comm.run_everywhere(
-        f"load({uri!r}): matching keys", lambda: _match(state_dict, index, uri, strict, comm)
-    )
-    gather_holders(placed, comm)
-    warn_if_over_budget(index, placed, max_memory)
-    wanted = {n: p.boxes for n, p in placed.items()}
+    got = gather(
+        comm, f"load({uri!r}): matching keys",
+        lambda: ({"load": _match(state_dict, index, uri, strict)}, None),
+    )  # fmt: skip
+    placed, holdings = got.mine["load"], got.holdings["load"]
+    warn_if_over_budget(index, holdings, max_memory)
+    wanted = {n: h.held for n, h in holdings.items()}
     plan = choose_plan(index, wanted, comm.world, max_memory, strategy, StorageCost.of(storage))
     dtypes = {n: m.dtype for n, m in index.tensors.items()}
+    source = StorageSource(storage, dtypes, comm.rank, index.block_tables())
     with torch.no_grad():
-        read = execute(
-            plan, storage, dtypes, comm, _IntoStateDict(plan, placed), progress,
-            blocks=index.block_tables(),
-        )  # fmt: skip
+        read = execute(plan, source, comm, _IntoStateDict(plan, placed), progress=progress)
+        for p in placed.values():
+            p.fill_padding()
     planned = plan.bytes_read()[comm.rank]
     total = sum(index.tensors[n].nbytes for n in placed)
     return LoadStats(read, total, len(plan.waves), planned, plan.strategy)
 
 
 def _match(
-    state_dict: Mapping[str, Any], index: CheckpointIndex, uri: str, strict: bool, comm: Comm
+    state_dict: Mapping[str, Any], index: CheckpointIndex, uri: str, strict: bool
 ) -> dict[str, Placed]:
-    """Pair the state dict's leaves with the checkpoint: JSON extras are filled in place,
-    keys checked (``strict``), and each tensor described as boxes held by ranks."""
+    """Pair this rank's leaves with the checkpoint: JSON extras are filled in place, keys
+    checked (``strict``), and each tensor described as boxes this rank holds."""
     leaves = flatten(state_dict)  # type: ignore[arg-type]
     tensor_keys = {k for k, v in leaves.items() if v.kind != "extra"}
     extra_keys = set(leaves) - tensor_keys
@@ -151,44 +151,39 @@ def _match(
             leaf.parent[leaf.key] = unflatten(nested, len(name) + 1)
             extra_keys.discard(name)
     missing = sorted((tensor_keys - set(index.tensors)) | (extra_keys - set(index.extras)))
-    unexpected = sorted(set(index.tensors) - tensor_keys)
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {_names(missing)}")
-        if unexpected:
-            parts.append(f"in the checkpoint but not in state_dict: {_names(unexpected)}")
+    if strict and missing:
         raise StateDictError(
-            f"load({uri!r}): {'; '.join(parts)} (pass strict=False to load the rest)"
+            f"load({uri!r}): missing from the checkpoint: {_names(missing)} (pass "
+            "strict=False to load the rest)"
         )
     placed: dict[str, Placed] = {}
     casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     for name in sorted(tensor_keys & set(index.tensors)):
-        placed[name] = p = _place(name, leaves[name], index.tensors[name], comm)
+        placed[name] = p = _place(name, leaves[name], index.tensors[name])
         if p.dtype != index.tensors[name].dtype:
             casts.setdefault((index.tensors[name].dtype, p.dtype), []).append(name)
     for name in sorted(extra_keys & set(index.extras)):
         leaves[name].parent[leaves[name].key] = index.extras[name]
-    if comm.rank == 0:
-        for (stored, wanted), names in casts.items():
-            logger.warning(
-                "load(%r): casting %d tensor(s) stored as %s to %s (e.g. %r)",
-                uri, len(names), stored, wanted, names[0],
-            )  # fmt: skip
+    for (stored, wanted), names in casts.items():
+        logger.warning(
+            "load(%r): casting %d tensor(s) stored as %s to %s (e.g. %r)",
+            uri, len(names), stored, wanted, names[0],
+        )  # fmt: skip
     return placed
 
 
-def _place(name: str, leaf: Any, meta: Any, comm: Comm) -> Placed:
+def _place(name: str, leaf: Any, meta: Any) -> Placed:
     """One state-dict tensor as boxes this rank holds; refuses meta tensors and shapes
     that differ from the checkpoint's."""
     value = leaf.value
-    local = getattr(value, "_local_tensor", value)
+    local = getattr(value, "tensor", None) if leaf.kind == "local" else value
+    local = getattr(local, "_local_tensor", local)
     if getattr(value, "is_meta", False) or getattr(local, "is_meta", False):
         raise StateDictError(
             f"{name!r} is a meta tensor, which has no storage to load into: "
             "materialize the model first (e.g. model.to_empty(device=...))"
         )
-    p = describe(leaf, comm)
+    p = describe(leaf)
     if p.shape != meta.shape:
         raise StateDictError(
             f"{name!r}: state_dict has shape {list(p.shape)} but the checkpoint "
@@ -203,11 +198,11 @@ class _IntoStateDict:
     def __init__(self, plan: ReadPlan, placed: dict[str, Placed]) -> None:
         self.targets, self.placed = plan.targets, placed
 
-    def view(self, part: Part) -> torch.Tensor:
-        t = self.targets[part.target]
-        return self.placed[t.tensor].local[t.box][part.box.slices_in(t.box)]
+    def view(self, piece: Piece) -> torch.Tensor:
+        t = self.targets[piece.target]
+        return self.placed[t.tensor].local[t.box][piece.box.slices_in(t.box)]
 
-    def take(self, part: Part, data: torch.Tensor) -> bool:
+    def take(self, piece: Piece, data: torch.Tensor) -> bool:
         return False  # always copied into the caller's tensor
 
     def wave_done(self, wave: Wave) -> None:

@@ -1,7 +1,8 @@
 """Reading a wave's byte ranges on this rank: coalesced, block-checked, and where possible
 straight into their destination.
 
-:class:`WaveReader` is the executor's read side (:mod:`reshard_svc.runtime.exchange`):
+:class:`StorageSource` is the executor's source for ``load`` and ``convert``
+(:mod:`reshard_svc.runtime.executor`):
 reads of files with a block table are widened to whole blocks and checked
 (:class:`CheckedReader`) before any byte is used; a read that is exactly one part landing
 on this rank, from a local file, goes straight into the destination's view.
@@ -17,14 +18,14 @@ import torch
 
 from reshard_svc.errors import CorruptCheckpointError
 from reshard_svc.format.checksums import BlockStream, BlockTable
-from reshard_svc.plan.read import Part, Read
+from reshard_svc.plan.items import Piece, Read
 from reshard_svc.runtime.buffers import tensor_runs
 from reshard_svc.storage import Storage
 
 if TYPE_CHECKING:
-    from reshard_svc.runtime.exchange import Destination
+    from reshard_svc.runtime.executor import Destination
 
-__all__ = ["CheckedReader", "WaveReader", "as_bytes", "read_bands"]
+__all__ = ["CheckedReader", "StorageSource", "as_bytes", "read_bands"]
 
 #: Small reads of one file coalesce into mapped spans up to this size: big enough to share
 #: edge blocks, small enough that one slab waiting for its write keeps little else mapped.
@@ -92,8 +93,8 @@ class CheckedReader:
         """Read id -> uint8 tensor of exactly ``[begin, end)`` (verified)."""
         out: dict[int, torch.Tensor] = {}
         spans: list[tuple[str, int, int, list[Read]]] = []
-        for r in sorted(reads, key=lambda r: (r.file, r.begin)):
-            lo, hi = self.tables[r.file].widen(r.begin, r.end)
+        for r in sorted(reads, key=lambda r: (_file(r), r.begin)):
+            lo, hi = self.tables[_file(r)].widen(r.begin, r.end)
             if (
                 spans
                 and spans[-1][0] == r.file
@@ -103,7 +104,7 @@ class CheckedReader:
                 f, a, b, rs = spans[-1]
                 spans[-1] = (f, a, max(b, hi), [*rs, r])
             else:
-                spans.append((r.file, lo, hi, [r]))
+                spans.append((_file(r), lo, hi, [r]))
         for name, lo, hi, rs in spans:
             view = self.storage.read_view(name, lo, hi)
             newly = self.tables[name].check(lo, view, self.done.setdefault(name, set()))
@@ -131,17 +132,19 @@ def _band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return t.to(dtype).contiguous()
 
 
-class WaveReader:
-    """One rank's reads of each wave, each the cheapest safe way.
+class StorageSource:
+    """One rank's reads of each wave from a checkpoint's files, each the cheapest safe way.
 
-    * **in place**: a read that is exactly one part of this rank, landing in a few long
+    * **in place**: a read that is exactly one piece of this rank, landing in a few long
       runs of a local destination, is read straight into it (``preadv``);
     * **mapped and checked**: any other read of a file with a block table goes through
       :class:`CheckedReader`;
     * **buffered**: the rest (no block table, or object stores) is read into fresh buffers.
 
-    ``direct`` holds the parts that already sit in their destination, so the executor
-    does not deliver them again.
+    Reads of files with a block table are widened to whole blocks and checked before any
+    byte is used; a mismatch raises :class:`~reshard_svc.errors.ChecksumError`.
+    ``check_in_place`` lets a checked read land in its destination first (``convert``
+    turns it off: it writes verified memory-mapped source bytes straight to its files).
     """
 
     def __init__(
@@ -149,27 +152,36 @@ class WaveReader:
         storage: Any,
         dtypes: Mapping[str, torch.dtype],
         rank: int,
-        dest: Destination,
         tables: Mapping[str, BlockTable],
-        check_in_place: bool,
+        check_in_place: bool = True,
     ) -> None:
         self.storage = storage
         self.dtypes = dtypes
         self.rank = rank
-        self.dest = dest
         self.local = storage.local_files
         self.checked = CheckedReader(storage, tables, mapped=self.local)
         self.check_in_place = check_in_place
-        self.direct: set[Part] = set()
+        self._plain = 0  # bytes read from files without a block table
         self._edge_buf: bytearray | None = None
 
-    def read(self, mine: list[Read], parts: dict[int, list[Part]]) -> list[torch.Tensor]:
-        """This rank's reads of one wave, in order, as tensors of each read's box."""
+    def dtype(self, tensor: str) -> torch.dtype:
+        return self.dtypes[tensor]
+
+    @property
+    def bytes_read(self) -> int:
+        return self._plain + self.checked.bytes_fetched
+
+    def read(
+        self, mine: Sequence[Read], pieces: Mapping[int, list[Piece]], dest: Destination
+    ) -> tuple[list[torch.Tensor], set[Piece]]:
+        """This rank's reads of one wave, in order, as tensors of each read's box; and the
+        pieces read straight into ``dest``."""
         out: dict[int, torch.Tensor] = {}
         buffered, verified = [], []
-        in_place: list[tuple[Read, tuple[Part, torch.Tensor, list[Any]]]] = []
-        for r in sorted(mine, key=lambda r: (r.file, r.begin)):
-            target = self._in_place_target(r, parts.get(r.id, ())) if self.local else None
+        landed: set[Piece] = set()
+        in_place: list[tuple[Read, tuple[Piece, torch.Tensor, list[Any]]]] = []
+        for r in sorted(mine, key=lambda r: (r.file or "", r.begin)):
+            target = self._in_place_target(r, pieces.get(r.id, ()), dest) if self.local else None
             if target is not None:
                 in_place.append((r, target))
             elif self.checked.covers(r):
@@ -180,28 +192,30 @@ class WaveReader:
         # mapped reads then skip the blocks those checked.
         for r, target in in_place:
             out[r.id] = self._read_in_place(r, *target)
+            landed.add(target[0])
         by_id = {r.id: r for r in verified}
         for rid, raw in (self.checked.read(verified) if verified else {}).items():
             out[rid] = _band_view(by_id[rid], raw, self.dtypes[by_id[rid].tensor])
-        bufs = read_bands(self.storage, [(r.file, r.begin, r.end) for r in buffered])
+        bufs = read_bands(self.storage, [(_file(r), r.begin, r.end) for r in buffered])
         for r, b in zip(buffered, bufs):
             out[r.id] = _band_view(r, b, self.dtypes[r.tensor])
-        return [out[r.id] for r in mine]
+            self._plain += r.nbytes
+        return [out[r.id] for r in mine], landed
 
     def _in_place_target(
-        self, r: Read, parts: Sequence[Part]
-    ) -> tuple[Part, torch.Tensor, list[Any]] | None:
+        self, r: Read, parts: Sequence[Piece], dest: Destination
+    ) -> tuple[Piece, torch.Tensor, list[Any]] | None:
         """(part, destination view, its memory runs) when ``r`` can be read straight into
         its destination: it is exactly one part of this rank, landing in few long runs."""
         if r.encoding != "raw":
             return None
-        table = self.checked.tables.get(r.file)
+        table = self.checked.tables.get(_file(r))
         if table is not None and (not self.check_in_place or r.nbytes < 2 * table.block_size):
             return None  # small checked reads coalesce better when mapped
         own = [p for p in parts if p.dest == self.rank and p.box == r.box]
         if not own:
             return None
-        view = self.dest.view(own[0])
+        view = dest.view(own[0])
         if view is None or view.dtype != self.dtypes[r.tensor]:
             return None
         runs = tensor_runs(view)
@@ -212,7 +226,7 @@ class WaveReader:
         return own[0], view, runs
 
     def _read_in_place(
-        self, r: Read, part: Part, view: torch.Tensor, runs: list[Any]
+        self, r: Read, part: Piece, view: torch.Tensor, runs: list[Any]
     ) -> torch.Tensor:
         """Read ``r`` straight into its destination (``preadv``).
 
@@ -222,19 +236,20 @@ class WaveReader:
         neighbouring read checked it already), so it is checked in the same pass. A
         mismatch raises before any wave hook or caller sees the bytes.
         """
-        table = self.checked.tables.get(r.file)
+        file = _file(r)
+        table = self.checked.tables.get(file)
         if table is None:
-            self.storage.read_runs(r.file, r.begin, runs)
-            self.direct.add(part)
+            self.storage.read_runs(file, r.begin, runs)
+            self._plain += r.nbytes
             return view
-        done = self.checked.done.setdefault(r.file, set())
+        done = self.checked.done.setdefault(file, set())
         bs = table.block_size
         head = r.begin - r.begin % bs if r.begin // bs not in done else r.begin
         tail = r.end
         if r.end % bs and r.end != table.size and r.end // bs not in done:
             tail = min(table.size, (r.end // bs + 1) * bs)
         stream = table.stream(head, done)
-        with self.storage.positional(r.file) as readv:
+        with self.storage.positional(file) as readv:
             if head < r.begin:
                 stream.update(self._edge(readv, head, r.begin))
             _land_checked(readv, stream, r.begin, runs)
@@ -243,7 +258,6 @@ class WaveReader:
         newly = stream.close()
         self.checked.bytes_checked += newly
         self.checked.bytes_fetched += newly  # local: each block read once, wholly
-        self.direct.add(part)
         return view
 
     def _edge(self, readv: Any, begin: int, end: int) -> memoryview:
@@ -253,6 +267,12 @@ class WaveReader:
         buf = memoryview(self._edge_buf)[: end - begin]
         readv(begin, [buf])
         return buf
+
+
+def _file(r: Read) -> str:
+    if r.file is None:
+        raise ValueError(f"read {r.id} of {r.tensor!r} has no file")  # a bug, not bad input
+    return r.file
 
 
 def _land_checked(readv: Any, stream: BlockStream, start: int, runs: list[Any]) -> None:

@@ -1,36 +1,49 @@
 """``save``: every rank of a job writes its share of a state dict; rank 0 commits.
 
-Order of events (every rank calls :func:`save` with the same keys):
+Order of events (every rank calls :func:`save`, each with the keys it holds: pipeline
+stages pass their own layers):
 
-1. each rank describes its tensors; ranks agree on one plan digest and rank 0's token;
+1. rank 0 takes the target's lease; each rank describes its tensors, and one all-gather
+   gives every rank every tensor's holders (:func:`~reshard_svc.runtime.targets.gather`);
 2. each rank streams the boxes it was assigned into safetensors files in the staging
-   area, computing block CRC32Cs as it writes;
-3. rank 0 writes ``reshard.index.json`` and commits (rename locally, index-last on object
+   area, computing block CRC32Cs as it writes, and the CRC32C of every box it holds that
+   another rank holds too;
+3. replicas must agree: if two holders of one box hold different bytes, every rank
+   raises :class:`~reshard_svc.errors.ReplicaMismatchError` and nothing is committed;
+4. rank 0 writes ``reshard.index.json`` and commits (rename locally, index-last on object
    stores). Any failure on any rank aborts the staging area on every path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import torch
 
 from reshard_svc._version import __version__
-from reshard_svc.errors import CheckpointError, StateDictError
+from reshard_svc.errors import CheckpointError, ReplicaMismatchError, StateDictError
 from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, HashingWriter, check_algorithm
 from reshard_svc.format.collect import TargetRun
 from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
-from reshard_svc.format.safetensors import st_code
-from reshard_svc.plan.save import FileSpec, SavePlan, TensorPlacement, plan_save
+from reshard_svc.format.safetensors import dtype_from_name, st_code
+from reshard_svc.layout import Box, Layout
+from reshard_svc.plan.items import Holdings
+from reshard_svc.plan.save import FileSpec, SavePlan, plan_save
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.state_dict import flatten
-from reshard_svc.runtime.targets import Placed, describe, gather_holders
+from reshard_svc.runtime.targets import (
+    Placed,
+    check_replicas,
+    describe,
+    gather,
+    replica_crcs,
+    replicated,
+)
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = [
@@ -66,7 +79,10 @@ def _write_file(
     placed: dict[str, Placed],
     background: BackgroundWriter,
     checksum: str,
+    crcs: dict[tuple[str, Box], int],
 ) -> list[Any]:
+    """Write one file; for the boxes in ``crcs`` (replicated ones), set their CRC32C,
+    computed from the same bands on their way to the writer."""
     with staging.open_write(spec.name) as raw:
         w = HashingWriter(raw, checksum, DEFAULT_BLOCK_SIZE)
         w.write(spec.header)
@@ -74,9 +90,15 @@ def _write_file(
             view = placed[name].local.get(box)
             if view is None:  # the plan only assigns boxes to their holders
                 raise CheckpointError(f"rank holds no data for {name!r} box {box}")
+            crc = 0 if (name, box) in crcs else None
             for band in box_bands(view.detach()):
                 band = band.to("cpu").contiguous()
-                background.submit(w, tensor_bytes(band), keep=band)
+                data = tensor_bytes(band)
+                if crc is not None:
+                    crc = crc32c.crc32c(data, crc)
+                background.submit(w, data, keep=band)
+            if crc is not None:
+                crcs[(name, box)] = int(crc)
         background.drain()
     if w.size != spec.size:
         raise CheckpointError(f"{spec.name}: wrote {w.size} bytes, planned {spec.size}")
@@ -90,13 +112,69 @@ class PreparedSave:
     uri: str
     storage: Storage
     staging: Storage
-    placed: dict[str, Placed]
+    placed: dict[str, Placed]  # this rank's tensors
+    holdings: dict[str, Holdings]  # every rank's, by tensor
     extras: dict[str, Any]
     plan: SavePlan
     token: str
     checksum: str = "crc32c"
     #: rank 0's hold on the target (lease, commit, abort); None on other ranks
     run: TargetRun | None = None
+    #: boxes held by two or more ranks, whose copies must agree (empty when unchecked)
+    replicas: dict[str, list[Box]] = field(default_factory=dict)
+    #: this rank's CRC32Cs of replicated boxes computed before writing (async saves)
+    early_crcs: dict[str, Any] = field(default_factory=dict)
+
+
+def _describe_mine(state_dict: Mapping[str, Any]) -> tuple[dict[str, Placed], dict[str, Any]]:
+    """This rank's tensors (as boxes it holds) and its JSON values."""
+    placed: dict[str, Placed] = {}
+    extras: dict[str, Any] = {}
+    for name, leaf in flatten(state_dict).items():
+        if leaf.kind == "extra":
+            extras[name] = leaf.value
+            continue
+        p = placed[name] = describe(leaf)
+        try:
+            st_code(p.dtype)
+        except CheckpointError:
+            raise StateDictError(
+                f"{name!r} has dtype {p.dtype}, which safetensors cannot store; cast it "
+                "(e.g. to float32) before saving"
+            ) from None
+    return placed, extras
+
+
+def _agreed_extras(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's JSON values, merged; one key with different values is an error."""
+    out: dict[str, Any] = {}
+    owner: dict[str, int] = {}
+    for rank, extras in enumerate(per_rank):
+        for key, value in extras.items():
+            if key in out and out[key] != value:
+                hint = (
+                    " (an optimizer's param_groups differ between pipeline stages: pass "
+                    "StateDictOptions(flatten_optimizer_state_dict=True) to get_state_dict, "
+                    "as torchtitan does, so each parameter's group is its own key)"
+                    if "param_groups" in key
+                    else ""
+                )
+                raise ReplicaMismatchError(
+                    f"save: {key!r} differs between ranks: {_short(out[key])} on rank "
+                    f"{owner[key]}, {_short(value)} on rank {rank}. Ranks that pass the same key "
+                    "hold copies of one value, and copies must agree: per-rank state needs "
+                    f"per-rank keys{hint}",
+                    tensor=key,
+                    ranks=(owner[key], rank),
+                )
+            out.setdefault(key, value)
+            owner.setdefault(key, rank)
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def prepare_save(
@@ -106,82 +184,68 @@ def prepare_save(
     storage: Storage,
     checksum: str = "crc32c",
     overwrite: bool = False,
+    check_replicas: bool = True,
 ) -> PreparedSave:
-    """Every rank: describe the state dict, agree on it and on a token, plan the files."""
-
-    def describe_all() -> dict[str, Any]:
-        leaves = flatten(state_dict)
-        placed: dict[str, Placed] = {}
-        extras: dict[str, Any] = {}
-        for name, leaf in leaves.items():
-            if leaf.kind == "extra":
-                extras[name] = leaf.value
-            else:
-                placed[name] = describe(leaf, comm)
-                try:
-                    st_code(placed[name].dtype)
-                except CheckpointError:
-                    raise StateDictError(
-                        f"{name!r} has dtype {placed[name].dtype}, which safetensors cannot "
-                        "store; cast it (e.g. to float32) before saving"
-                    ) from None
-        sig = json.dumps(
-            [p.signature() for p in placed.values()] + [sorted(extras)], sort_keys=True
-        )
-        token = ""
-        if comm.rank == 0:
-            state["run"] = run = TargetRun(storage, "save", overwrite)
-            token = run.token
-        state["placed"], state["extras"] = placed, extras
-        return {"digest": hashlib.sha256(sig.encode()).hexdigest(), "token": token}
-
-    state: dict[str, Any] = {}
-    _, infos = comm.run_everywhere("save: describing the state dict", describe_all)
-    run: TargetRun | None = state.get("run")
-    if len({i["digest"] for i in infos}) != 1:
+    """Every rank: take the target (rank 0), describe the state dict, learn every tensor's
+    holders, and plan the files."""
+    run, tokens = comm.run_everywhere(
+        f"save({uri!r}): taking the target",
+        lambda: TargetRun(storage, "save", overwrite) if comm.rank == 0 else None,
+        share=lambda r: r.token if r is not None else "",
+    )
+    token = tokens[0]
+    try:
+        got = gather(comm, f"save({uri!r}): describing the state dict",
+                     lambda: _sides(state_dict))  # fmt: skip
+        extras = _agreed_extras(got.extras)
+    except BaseException:
         if run is not None:
-            run.abort(storage.staging(run.token))
-        raise StateDictError(
-            "ranks passed different state dicts to save (keys, shapes, dtypes or layouts "
-            "differ); every rank must save the same keys"
-        )
-    token = infos[0]["token"]
-    placed: dict[str, Placed] = state["placed"]
-    gather_holders(placed, comm)
+            run.abort(storage.staging(token))
+        raise
+    holdings = got.holdings["save"]
     staging = storage.staging(token)
-    plan = plan_save(
-        [
-            TensorPlacement(p.name, p.dtype, p.shape, p.layout, tuple(p.boxes))
-            for p in placed.values()
-        ],
-        comm.world,
-        token=token,
-        file_suffix=staging.file_suffix,
-    )
+    plan = plan_save(holdings, comm.world, token=token, file_suffix=staging.file_suffix)
     return PreparedSave(
-        uri, storage, staging, placed, dict(state["extras"]), plan, token, checksum, run
-    )
+        uri, storage, staging, got.mine["save"], holdings, extras, plan, token, checksum, run,
+        replicated(holdings) if check_replicas else {},
+    )  # fmt: skip
 
 
-def write_files(prep: PreparedSave, rank: int, staging: Storage | None = None) -> list[Any]:
-    """This rank's share of the data files (no collectives): [[name, size, sums], ...]."""
+def _sides(state_dict: Mapping[str, Any]) -> tuple[dict[str, dict[str, Placed]], dict[str, Any]]:
+    placed, extras = _describe_mine(state_dict)
+    return {"save": placed}, extras
+
+
+def write_files(prep: PreparedSave, rank: int, staging: Storage | None = None) -> dict[str, Any]:
+    """This rank's share of the data files (no collectives): ``{"files": [[name, size,
+    sums], ...], "replicas": {tensor: [[offsets, crc], ...]}}``."""
     staging = staging or prep.staging
+    written = {(n, b) for spec in prep.plan.files_of(rank) for n, b in spec.entries}
+    crcs = {(n, b): 0 for n, bs in prep.replicas.items() for b in bs if (n, b) in written}
     with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
-        return [
-            _write_file(staging, spec, prep.placed, background, prep.checksum)
+        files = [
+            _write_file(staging, spec, prep.placed, background, prep.checksum, crcs)
             for spec in prep.plan.files_of(rank)
         ]
+    held_only = {n: [b for b in bs if (n, b) not in written] for n, bs in prep.replicas.items()}
+    report = replica_crcs(prep.placed, held_only)
+    for (name, box), crc in crcs.items():
+        report.setdefault(name, []).append([list(box.offsets), crc])
+    for name, entries in prep.early_crcs.items():
+        report.setdefault(name, []).extend(entries)
+    return {"files": files, "replicas": report}
 
 
 def write_and_commit(
-    prep: PreparedSave, comm: Comm, written_here: Callable[[], list[Any]] | None = None
+    prep: PreparedSave, comm: Comm, written_here: Callable[[], dict[str, Any]] | None = None
 ) -> CheckpointIndex:
     """Every rank: write the files the plan gives it (or take ``written_here()``, e.g. from
-    a forked writer); rank 0 commits the index last."""
-    staging, placed, plan = prep.staging, prep.placed, prep.plan
+    a forked writer); the replicas are compared; rank 0 commits the index last."""
+    staging, plan = prep.staging, prep.plan
     write = written_here or (lambda: write_files(prep, comm.rank))
     try:
         _, written = comm.run_everywhere("save: writing data files", write)
+        check_replicas(prep.replicas, [w["replicas"] for w in written], f"save({prep.uri!r})")
     except BaseException:
         if prep.run is not None:
             prep.run.abort(staging)
@@ -190,13 +254,19 @@ def write_and_commit(
     files = {
         name: FileMeta.from_written(name, size, sums, block_size)
         for per_rank in written
-        for name, size, sums in per_rank
+        for name, size, sums in per_rank["files"]
     }
     index = CheckpointIndex(
         tensors={
-            p.name: TensorMeta(p.name, p.dtype, p.shape, p.layout, plan.chunks[p.name])
-            for p in placed.values()
-        },
+            name: TensorMeta(
+                name,
+                dtype_from_name(h.dtype),
+                h.shape,
+                Layout.parse(h.layout) if h.layout else None,
+                plan.chunks[name],
+            )
+            for name, h in prep.holdings.items()
+        },  # fmt: skip
         files=files,
         extras=prep.extras,
         created_by=f"reshard_svc {__version__}",
@@ -227,17 +297,25 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     checksum: str = "crc32c",
     overwrite: bool = False,
+    check_replicas: bool = True,
 ) -> CheckpointIndex:
-    """Save a (nested) state dict of DTensors, Tensors, ShardedTensors and JSON values.
+    """Save a (nested) state dict of DTensors, Tensors, ShardedTensors, LocalShards and
+    JSON values.
 
     Called by every rank of ``process_group`` (default: the whole job; without an
-    initialised process group, a single process). Returns the committed index.
-    ``checksum``: ``"crc32c"`` (block CRCs, checked on every read), ``"sha256"`` (the
-    same plus a whole-file sha256) or ``"none"``. A committed checkpoint at ``uri`` is
-    only replaced with ``overwrite=True`` (other files in its folder are kept).
+    initialised process group, a single process), each with the keys it holds. Returns
+    the committed index. ``checksum``: ``"crc32c"`` (block CRCs, checked on every read),
+    ``"sha256"`` (the same plus a whole-file sha256) or ``"none"``. A committed
+    checkpoint at ``uri`` is only replaced with ``overwrite=True`` (other files in its
+    folder are kept).
+
+    Where several ranks hold the same bytes (plain tensors on every rank, ``Replicate``,
+    replicated boxes), their CRC32Cs must agree, or every rank raises
+    :class:`~reshard_svc.errors.ReplicaMismatchError` and nothing is committed;
+    ``check_replicas=False`` skips the comparison (one holder's copy is saved).
     """
     algorithm = check_algorithm(checksum)
     comm = Comm(process_group)
     storage = open_storage(uri, storage_options)
-    prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite)
+    prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite, check_replicas)
     return write_and_commit(prep, comm)

@@ -2,8 +2,8 @@
 
 ``{"model": {...}, "optim": {"state": {...}, "param_groups": [...]}}`` — what
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns — flattens to
-``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ... Tensors (plain, DTensor, ShardedTensor)
-are stored as tensors; JSON-able values go to the index's ``extras``; anything else is a
+``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ... Tensors (plain, DTensor, ShardedTensor,
+:class:`LocalShard`) are stored as tensors; JSON-able values go to the index's ``extras``; anything else is a
 typed error naming the key. ``load`` flattens the caller's dict the same way and writes
 values back through the recorded (parent, key) slots, so the nesting round-trips.
 """
@@ -21,7 +21,86 @@ import torch
 from reshard_svc.errors import StateDictError
 from reshard_svc.runtime import _compat
 
-__all__ = ["Leaf", "flatten", "unflatten"]
+__all__ = ["Leaf", "LocalShard", "flatten", "unflatten"]
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """A plain tensor that holds one box of a larger global tensor, for code that knows
+    its own layout (an inference engine, Megatron-style model code).
+
+    ``tensor`` sits at ``offsets`` of a global tensor of ``global_shape``. ``valid`` (sizes
+    from the local tensor's origin; default: all of it) is the part that is real data;
+    the rest of ``tensor`` is declared padding (a vocabulary padded to a multiple of 64
+    per rank): it is never saved or sent, and when loaded or transferred into it is
+    filled with ``pad``, so it is never left uninitialised. Several ranks passing the
+    same box hold replicas (KV heads replicated past their count), which must agree.
+    Accepted wherever a DTensor is: ``save``, ``load`` (filled in place), ``transfer``.
+    """
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    valid: tuple[int, ...] | None = None
+    pad: float = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, torch.Tensor) or _compat.is_dtensor(self.tensor):
+            raise StateDictError(
+                f"LocalShard holds a plain local tensor, got {type(self.tensor).__name__}"
+            )
+        shape = tuple(self.tensor.shape)
+        gshape = _ints("global_shape", self.global_shape)
+        offsets = _ints("offsets", self.offsets)
+        valid = shape if self.valid is None else _ints("valid", self.valid)
+        if not len(gshape) == len(offsets) == len(valid) == len(shape):
+            raise StateDictError(
+                f"LocalShard of a {len(shape)}-D tensor needs {len(shape)} global_shape, "
+                f"offsets and valid values; got {gshape}, {offsets}, {valid}"
+            )
+        for d, (g, o, v, n) in enumerate(zip(gshape, offsets, valid, shape)):
+            if v > n:
+                raise StateDictError(f"LocalShard valid {valid} exceeds the tensor's shape {shape}")
+            if v and o + v > g:
+                raise StateDictError(
+                    f"LocalShard at offsets {offsets} with {valid} valid elements runs past "
+                    f"the global shape {gshape} in dim {d}: if the rest is padding, say so "
+                    f"with valid=(the real sizes)"
+                )
+        object.__setattr__(self, "global_shape", gshape)
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "valid", valid)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The valid part of ``tensor`` (a view)."""
+        return self.tensor[tuple(slice(0, v) for v in self.valid or ())]
+
+    def padding(self) -> list[torch.Tensor]:
+        """Views of ``tensor`` outside the valid part (slabs that partition the padding)."""
+        valid = self.valid or tuple(self.tensor.shape)
+        out = []
+        for d in range(self.tensor.dim()):
+            index = tuple(
+                slice(0, valid[e]) if e < d else slice(valid[d], None) if e == d else slice(None)
+                for e in range(self.tensor.dim())
+            )
+            slab = self.tensor[index]
+            if slab.numel():
+                out.append(slab)
+        return out
+
+
+def _ints(what: str, value: Any) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise StateDictError(
+            f"LocalShard {what} must be a sequence of ints, got {value!r}"
+        ) from None
+    if any(v < 0 for v in out):
+        raise StateDictError(f"LocalShard {what} {out} must not be negative")
+    return out
 
 
 @dataclass
@@ -35,6 +114,8 @@ class Leaf:
 
     @property
     def kind(self) -> str:
+        if isinstance(self.value, LocalShard):
+            return "local"
         if _compat.is_dtensor(self.value):
             return "dtensor"
         if _compat.is_sharded_tensor(self.value):

@@ -1,24 +1,31 @@
-"""Live weight sync: move tensors from one mesh's DTensors into another's, shard to shard.
+"""Live weight sync: move tensors from one mesh's shards into another's, shard to shard.
 
 Every rank of the group calls :func:`transfer`, in the same order. Trainer ranks pass their
 state dict as ``src``, inference ranks theirs as ``dst`` (filled in place); a rank in both
-meshes passes both. The steps:
+meshes passes both. Values are DTensors on any sub-mesh, plain tensors, ShardedTensors or
+:class:`~reshard_svc.runtime.state_dict.LocalShard` (an engine's own shards, padding
+declared). Each rank passes only the keys it holds: pipeline stages pass their own layers.
+The steps:
 
 1. **describe** — each rank lists the boxes it holds of each tensor on each side (no data);
-2. **plan** — on the first call, one all-gather of those descriptions, then every rank
-   computes the same :class:`~reshard_svc.plan.transfer.TransferPlan`. Later calls with the
-   same layouts reuse it after one 16-byte all-reduce that confirms every rank hit the same
-   plan, so they only move data;
-3. **move** — per bucket (whole target tensors, bounded by ``max_memory`` on every rank):
-   pack each peer's pieces into one buffer, exchange them point to point
-   (``batch_isend_irecv``: NCCL on CUDA, gloo on CPU), unpack into staging;
-4. **swap** — once every rank reports its bucket complete, copy staging into the targets.
+2. **plan** — on the first call, one all-gather of those descriptions
+   (:func:`~reshard_svc.runtime.targets.gather`, as ``save`` and ``load`` use), then every
+   rank computes the same :class:`~reshard_svc.plan.transfer.TransferPlan`. Later calls
+   with the same layouts reuse it after one 16-byte all-reduce that confirms every rank hit
+   the same plan, so they only move data;
+3. **move** — the plan runs on the one executor (:mod:`reshard_svc.runtime.executor`), wave
+   by wave (whole target tensors, bounded by ``max_memory`` on every rank): point-to-point
+   sends (NCCL on CUDA, gloo on CPU) into staging buffers carved from a buffer kept with the
+   cached plan;
+4. **swap** — once every rank has its wave whole, staging is copied into the targets (and
+   a LocalShard's padding filled).
 
-All or nothing, per bucket: a failure on any rank before the swap makes every rank raise
+All or nothing, per wave: a failure on any rank before the swap makes every rank raise
 :class:`~reshard_svc.errors.TransferAbortedError`, whose ``updated`` names the target
-tensors swapped in by earlier buckets (whole, on every rank); every other target is
-untouched. When everything fits in ``max_memory`` there is one bucket, so a failed
-transfer changes nothing.
+tensors swapped in by earlier waves (whole, on every rank); every other target is
+untouched. When everything fits in ``max_memory`` there is one wave, so a failed transfer
+changes nothing. ``verify=True`` also checks that every replica of a source agrees and that
+every piece lands with the CRC32C it was sent with, before anything is swapped in.
 """
 
 from __future__ import annotations
@@ -27,13 +34,11 @@ import hashlib
 import json
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from reshard_svc.errors import (
     DistributedError,
@@ -41,22 +46,32 @@ from reshard_svc.errors import (
     TransferAbortedError,
     TransferError,
 )
-from reshard_svc.layout.box import Box
-from reshard_svc.plan.transfer import Cat, Move, RankWork, Side, TransferPlan, plan_transfer
+from reshard_svc.layout import Box
+from reshard_svc.plan.cache import PlanCache
+from reshard_svc.plan.items import Piece, Read, Wave
+from reshard_svc.plan.transfer import Cat, TransferPlan, TransferWave, plan_transfer
+from reshard_svc.runtime.buffers import Arena
 from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.executor import Destination, execute
 from reshard_svc.runtime.state_dict import flatten
-from reshard_svc.runtime.targets import Placed, describe
+from reshard_svc.runtime.targets import (
+    Placed,
+    check_replicas,
+    describe,
+    gather,
+    replica_crcs,
+    replicated,
+)
 
-__all__ = ["PlanCache", "TransferResult", "transfer"]
+__all__ = ["DEFAULT_CACHE", "PlanCache", "TransferResult", "transfer"]
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
-_ALIGN = 16  # pieces start at multiples of this in a buffer, so any dtype view is aligned
 
 
 @dataclass(frozen=True)
 class TransferResult:
-    """What one rank did: target names updated, buckets run, its bytes out/in/copied,
+    """What one rank did: target names updated, waves run, its bytes out/in/copied,
     whether the plan came from the cache, and the wall time."""
 
     updated: tuple[str, ...]
@@ -70,43 +85,21 @@ class TransferResult:
 
 @dataclass
 class _Entry:
-    """A cached plan: its world-wide id, the plan, and this rank's reusable buffer."""
+    """A cached plan: its world-wide id, the plan, the source boxes that have replicas,
+    and this rank's reusable exchange and staging memory."""
 
     plan_id: int
     plan: TransferPlan
-    scratch: _Scratch
+    dtypes: dict[str, torch.dtype]  # every source tensor's, as its holders pass it
+    replicated: dict[str, list[Box]]
+    arena: Arena
 
 
-class PlanCache:
-    """The last few transfer plans of this process, keyed by this rank's own description.
-
-    A hit is used only when every rank of the group hits the same plan (checked by one
-    all-reduce), so a layout that changed on any rank re-plans everywhere.
-    Each entry also keeps this rank's byte buffer for the buckets (at most ``max_memory``),
-    as RL stacks keep their transfer buffers: ``clear()`` frees them.
-    """
-
-    def __init__(self, maxsize: int = 8) -> None:
-        self.maxsize = maxsize
-        self._plans: OrderedDict[str, _Entry] = OrderedDict()
-
-    def get(self, key: str) -> _Entry | None:
-        hit = self._plans.get(key)
-        if hit is not None:
-            self._plans.move_to_end(key)
-        return hit
-
-    def put(self, key: str, entry: _Entry) -> None:
-        self._plans[key] = entry
-        self._plans.move_to_end(key)
-        while len(self._plans) > self.maxsize:
-            self._plans.popitem(last=False)
-
-    def clear(self) -> None:
-        self._plans.clear()
-
-
-DEFAULT_CACHE = PlanCache()
+#: Plans of this process, by this rank's own description. A hit is used only when every
+#: rank of the group hits the same plan (one all-reduce), so a layout that changed on any
+#: rank re-plans everywhere. Entries keep their buffers (as RL stacks keep their transfer
+#: buffers): ``clear()`` frees them.
+DEFAULT_CACHE: PlanCache[Any] = PlanCache(8)
 
 
 def transfer(
@@ -116,72 +109,91 @@ def transfer(
     names: Mapping[str, str | Cat] | None = None,
     process_group: Any = None,
     max_memory: int = DEFAULT_MAX_MEMORY,
-    plan_cache: PlanCache | None = DEFAULT_CACHE,
+    plan_cache: PlanCache[Any] | None = DEFAULT_CACHE,
+    verify: bool = False,
 ) -> TransferResult:
     """Fill the target tensors ``dst`` from the source tensors ``src`` across ranks.
 
     Collective over ``process_group`` (default: the world): every rank calls it, passing
     ``src`` if it holds source tensors, ``dst`` if it holds targets, both if both, else
-    ``None``. Values are DTensors (any mesh of the group, any placements), plain tensors
-    (held whole by that rank) or ShardedTensors; nested dicts flatten to dotted names.
+    ``None``. Nested dicts flatten to dotted names; a rank passes only the keys it holds.
 
     ``names`` maps a target name to its source name, or to :class:`Cat` of several sources
     (``Cat(("q.weight", "k.weight", "v.weight"), dim=0)``); unmapped targets take the
     source of the same name. Mismatches raise :class:`~reshard_svc.errors.TransferError`
     on every rank before any byte moves. ``max_memory`` bounds each rank's send, receive
-    and staging buffers per bucket. ``plan_cache=None`` re-plans on every call.
+    and staging buffers per wave. ``plan_cache=None`` re-plans on every call. ``verify``
+    compares the CRC32Cs of every source replica and of every piece as sent and as landed
+    (a mismatch aborts before the swap).
     """
     start = time.perf_counter()
     comm = Comm(process_group)
     with torch.no_grad():
-        local = _Local.of(src, dst, comm, names, max_memory)
+        local = _Local.of(src, dst, names, max_memory, comm)
         entry, cached = _plan(local, comm, names, max_memory, plan_cache)
         plan = entry.plan
-        updated = _run(plan, local, comm, entry.scratch)
+        if verify:
+            _check_sources(entry, local, comm)
+        into = _Staging(plan, local.dst, entry.arena)
+        try:
+            execute(plan, _HeldSource(local.src, entry.dtypes), comm, into, arena=entry.arena,
+                    verify=verify, label="transfer ")  # fmt: skip
+        except Exception as e:
+            done = tuple(into.updated)
+            rest = tuple(n for n in plan.tensors if n not in set(done))
+            failures = e.failures if isinstance(e, DistributedError) else {comm.rank: str(e)}
+            raise TransferAbortedError(
+                f"{e}. {len(done)} target tensor(s) were updated whole before the failure "
+                f"(TransferAbortedError.updated); the other {len(rest)} are untouched",
+                failures,
+                updated=done,
+                untouched=rest,
+            ) from e
     rank = comm.rank
     return TransferResult(
-        updated,
-        len(plan.buckets),
-        plan.sent[rank],
-        plan.received[rank],
-        plan.copied[rank],
-        cached,
-        time.perf_counter() - start,
-    )
+        tuple(into.updated), len(plan.waves), plan.sent[rank], plan.received[rank],
+        plan.copied[rank], cached, time.perf_counter() - start,
+    )  # fmt: skip
 
 
 # ---- describe
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Local:
-    """This rank's views of its source and target boxes, and their JSON description."""
+    """This rank's sources and targets, or the error describing them raised (reported to
+    every rank at the plan's agreement), and the key of its description."""
 
     src: dict[str, Placed]
     dst: dict[str, Placed]
     error: str | None
     key: str
-    description: dict[str, Any]
 
     @classmethod
     def of(
         cls,
         src: Mapping[str, Any] | None,
         dst: Mapping[str, Any] | None,
-        comm: Comm,
         names: Mapping[str, str | Cat] | None,
         budget: int,
+        comm: Comm,
     ) -> _Local:
         try:
-            s, d = _placed(src, comm, "src"), _placed(dst, comm, "dst")
+            s, d = _placed(src, "src"), _placed(dst, "dst")
         except Exception as e:  # reported to every rank by the layout exchange
-            return cls({}, {}, f"{type(e).__name__}: {e}", "", {})
-        me = {"src": _describe(s), "dst": _describe(d)}
+            return cls({}, {}, f"{type(e).__name__}: {e}", "")
+        me = {side: {n: p.describe() for n, p in sorted(ps.items())}
+              for side, ps in (("src", s), ("dst", d))}  # fmt: skip
         key = json.dumps([me, _names_json(names), budget, comm.rank, comm.world])
-        return cls(s, d, None, key, me)
+        return cls(s, d, None, key)
+
+    def sides(self) -> dict[str, dict[str, Placed]]:
+        if self.error is not None:
+            raise StateDictError(self.error)
+        return {"src": self.src, "dst": self.dst}
 
 
-def _placed(state: Mapping[str, Any] | None, comm: Comm, side: str) -> dict[str, Placed]:
+def _placed(state: Mapping[str, Any] | None, side: str) -> dict[str, Placed]:
     if state is None:
         return {}
     out = {}
@@ -191,20 +203,8 @@ def _placed(state: Mapping[str, Any] | None, comm: Comm, side: str) -> dict[str,
                 f"{side}[{name!r}] is a {type(leaf.value).__name__}, not a tensor: transfer "
                 "moves tensors only"
             )
-        out[name] = describe(leaf, comm)
+        out[name] = describe(leaf)
     return out
-
-
-def _describe(placed: Mapping[str, Placed]) -> dict[str, Any]:
-    return {
-        name: [
-            str(p.dtype).removeprefix("torch."),
-            torch.empty((), dtype=p.dtype).element_size(),
-            list(p.shape),
-            [[list(b.offsets), list(b.sizes)] for b in sorted(p.local)],
-        ]
-        for name, p in sorted(placed.items())
-    }
 
 
 def _names_json(names: Mapping[str, str | Cat] | None) -> Any:
@@ -224,210 +224,94 @@ def _plan(
     comm: Comm,
     names: Mapping[str, str | Cat] | None,
     budget: int,
-    cache: PlanCache | None,
+    cache: PlanCache[Any] | None,
 ) -> tuple[_Entry, bool]:
     hit = cache.get(local.key) if cache is not None and local.error is None else None
-    if hit is not None and _everyone_hit(comm, hit.plan_id):
-        return hit, True
-    if hit is None:
-        _everyone_hit(comm, -1)  # the others may have hit: they must learn that we did not
-    gathered = _exchange(local, comm, names, budget)
-    src, dst = _sides(gathered, "src"), _sides(gathered, "dst")
-    plan = plan_transfer(src, dst, names, comm.world, budget)
-    digest = hashlib.blake2b(json.dumps(gathered).encode(), digest_size=8).digest()
-    entry = _Entry(int.from_bytes(digest, "big") >> 2, plan, _Scratch())
+    high, neg_low = comm.all_reduce_max([hit.plan_id if hit else -1, -(hit.plan_id if hit else -1)])
+    if hit is not None and high == -neg_low and high >= 0:
+        return hit, True  # every rank hit the same plan
+    agreed = {"names": _names_json(names), "budget": budget}
+    got = gather(comm, "transfer: describing tensors", lambda: (local.sides(), agreed))
+    for rank, theirs in enumerate(got.extras):
+        for what in ("names", "budget"):
+            if theirs[what] != agreed[what]:
+                raise TransferError(
+                    f"rank {rank} passed a different {'names' if what == 'names' else 'max_memory'}"
+                    " than this rank: every rank must pass the same"
+                )
+    plan = plan_transfer(got.holdings["src"], got.holdings["dst"], names, comm.world, budget)
+    everything = json.dumps(
+        {s: {n: [h.dtype, list(h.shape), [[list(x.box.offsets), list(x.box.sizes),
+             list(x.holders)] for x in h.held]] for n, h in hs.items()}
+         for s, hs in got.holdings.items()},
+        sort_keys=True,
+    )  # fmt: skip
+    digest = hashlib.blake2b(everything.encode(), digest_size=8).digest()
+    dtypes = {n: getattr(torch, h.dtype) for n, h in got.holdings["src"].items()}
+    entry = _Entry(
+        int.from_bytes(digest, "big") >> 2, plan, dtypes, replicated(got.holdings["src"]),
+        Arena(comm.device),
+    )  # fmt: skip
     if cache is not None:
         cache.put(local.key, entry)
     return entry, False
 
 
-def _everyone_hit(comm: Comm, plan_id: int) -> bool:
-    """True when every rank found the same cached plan (one all-reduce of two int64s)."""
-    if not comm.distributed or comm.world == 1:
-        return plan_id >= 0
-    t = torch.tensor([plan_id, -plan_id], dtype=torch.int64, device=comm.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
-    high, low = int(t[0]), -int(t[1])
-    return high == low and high >= 0
-
-
-def _exchange(
-    local: _Local, comm: Comm, names: Mapping[str, str | Cat] | None, budget: int
-) -> list[dict[str, Any]]:
-    """The one exchange of layouts; every rank raises if any rank could not describe its
-    tensors, or the ranks disagree on ``names`` or ``max_memory``."""
-
-    def mine() -> dict[str, Any]:
-        if local.error is not None:
-            raise StateDictError(local.error)
-        return {**local.description, "names": _names_json(names), "budget": budget}
-
-    _, gathered = comm.run_everywhere("transfer: describing tensors", mine)
-    for rank, g in enumerate(gathered):
-        for what in ("names", "budget"):
-            if g[what] != gathered[0][what]:
-                raise TransferError(
-                    f"rank {rank} passed a different {'names' if what == 'names' else 'max_memory'}"
-                    " than rank 0: every rank must pass the same"
-                )
-    return gathered
-
-
-def _sides(gathered: list[dict[str, Any]], side: str) -> dict[str, Side]:
-    meta: dict[str, tuple[str, int, tuple[int, ...], int]] = {}
-    holders: dict[str, dict[Box, list[int]]] = {}
-    for rank, g in enumerate(gathered):
-        for name, (dtype, size, shape, boxes) in g[side].items():
-            seen = meta.setdefault(name, (dtype, size, tuple(shape), rank))
-            if seen[:3] != (dtype, size, tuple(shape)):
-                raise TransferError(
-                    f"{side} tensor {name!r} is {seen[0]} {list(seen[2])} on rank {seen[3]} "
-                    f"but {dtype} {shape} on rank {rank}"
-                )
-            for offs, sizes in boxes:
-                holders.setdefault(name, {}).setdefault(Box(tuple(offs), tuple(sizes)), []).append(
-                    rank
-                )
-    return {
-        name: Side(
-            dtype,
-            size,
-            shape,
-            tuple((b, tuple(hs)) for b, hs in sorted(holders.get(name, {}).items())),
-        )
-        for name, (dtype, size, shape, _) in meta.items()
-    }
+def _check_sources(entry: _Entry, local: _Local, comm: Comm) -> None:
+    """Every replica of a source box holds the same bytes (``verify=True``)."""
+    _, reports = comm.run_everywhere(
+        "transfer: checking source replicas", lambda: replica_crcs(local.src, entry.replicated)
+    )
+    check_replicas(entry.replicated, reports, "transfer(verify=True)")
 
 
 # ---- move and swap
 
 
-def _slices(piece: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes))
+class _HeldSource:
+    """A transfer's source: the boxes each rank holds, read from memory."""
+
+    bytes_read = 0
+
+    def __init__(self, placed: Mapping[str, Placed], dtypes: Mapping[str, torch.dtype]) -> None:
+        self.placed, self.dtypes = placed, dtypes
+
+    def dtype(self, tensor: str) -> torch.dtype:
+        return self.dtypes[tensor]
+
+    def read(
+        self, reads: Sequence[Read], pieces: Mapping[int, list[Piece]], dest: Destination
+    ) -> tuple[list[torch.Tensor], set[Piece]]:
+        return [self.placed[r.tensor].local[r.origin or r.box] for r in reads], set()
 
 
-def _layout(moves: tuple[Move, ...]) -> tuple[list[int], int]:
-    offsets, pos = [], 0
-    for m in moves:
-        offsets.append(pos)
-        pos += _aligned(m.nbytes)
-    return offsets, pos
+class _Staging:
+    """A transfer's destination: each wave lands in staging buffers (from the plan's
+    arena) and is copied into the targets only once every rank has it whole."""
 
+    def __init__(self, plan: TransferPlan, dst: Mapping[str, Placed], arena: Arena) -> None:
+        self.plan, self.dst, self.arena = plan, dst, arena
+        self.staged: dict[int, torch.Tensor] = {}
+        self.updated: list[str] = []
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+    def view(self, piece: Piece) -> torch.Tensor:
+        t = self.plan.targets[piece.target]
+        buf = self.staged.get(piece.target)
+        if buf is None:
+            like = self.dst[t.tensor].local[t.box]
+            buf = self.staged[piece.target] = self.arena.take_like(like)
+        return buf[piece.box.slices_in(t.box)]
 
+    def take(self, piece: Piece, data: torch.Tensor) -> bool:
+        return False
 
-class _Scratch:
-    """One byte buffer a rank reuses for every bucket's send, receive and staging buffers
-    (kept with the cached plan, so steady-state calls fault in no new pages)."""
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-        self.pos = 0
-
-    def reserve(self, sizes: list[int], device: torch.device) -> None:
-        need = sum(_aligned(n) for n in sizes)
-        if self.buf is None or self.buf.numel() < need or self.buf.device != device:
-            self.buf = None  # free the old one first
-            self.buf = torch.empty(need, dtype=torch.uint8, device=device)
-        self.pos = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.buf is None:
-            raise RuntimeError("scratch used before reserve()")
-        out = self.buf[self.pos : self.pos + nbytes]
-        self.pos += _aligned(nbytes)
-        return out
-
-    def take_like(self, like: torch.Tensor) -> torch.Tensor:
-        return self.take(like.numel() * like.element_size()).view(like.dtype).view(like.shape)
-
-
-class _Bucket:
-    """One bucket on this rank: buffers, the point-to-point exchange, staging, the swap."""
-
-    def __init__(self, work: RankWork, local: _Local, comm: Comm, scratch: _Scratch) -> None:
-        self.work, self.local, self.comm = work, local, comm
-        sizes = [_layout(ms)[1] for _, ms in work.sends] + [_layout(ms)[1] for _, ms in work.recvs]
-        views = {key: local.dst[key[0]].local[key[1]] for key in work.staged}
-        scratch.reserve(sizes + [v.numel() * v.element_size() for v in views.values()], comm.device)
-        self.staging = {key: scratch.take_like(v) for key, v in views.items()}
-        self.scratch = scratch
-        self.sends: list[tuple[int, torch.Tensor]] = []
-        self.recvs: list[tuple[int, torch.Tensor]] = []
-
-    def source(self, m: Move) -> torch.Tensor:
-        return self.local.src[m.src].local[m.src_box][_slices(m.src_piece)]
-
-    def target(self, m: Move) -> torch.Tensor:
-        return self.staging[(m.dst, m.dst_box)][_slices(m.dst_piece)]
-
-    def pack(self) -> None:
-        """Fill the send buffers and allocate the receive buffers (before the exchange, so
-        a failure here is caught by the agreement that follows, never mid-exchange)."""
-        self.recvs = [(peer, self.scratch.take(_layout(ms)[1])) for peer, ms in self.work.recvs]
-        self.sends = []
-        for peer, moves in self.work.sends:
-            offsets, total = _layout(moves)
-            buf = self.scratch.take(total)
-            for m, at in zip(moves, offsets):
-                piece = self.source(m)
-                buf[at : at + m.nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
-            self.sends.append((peer, buf))
-
-    def exchange(self) -> None:
-        group = self.comm.group
-        ops = [dist.P2POp(dist.isend, buf, self._peer(p), group) for p, buf in self.sends]
-        ops += [dist.P2POp(dist.irecv, buf, self._peer(p), group) for p, buf in self.recvs]
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        self.sends = []
-
-    def _peer(self, rank: int) -> int:
-        return rank if self.comm.group is None else dist.get_global_rank(self.comm.group, rank)
-
-    def move(self) -> None:
-        self.exchange()
-        self.unpack()
-
-    def unpack(self) -> None:
-        for (_, buf), (_, moves) in zip(self.recvs, self.work.recvs):
-            offsets, _ = _layout(moves)
-            for m, at in zip(moves, offsets):
-                into = self.target(m)
-                into.copy_(buf[at : at + m.nbytes].view(into.dtype).view(into.shape))
-        for m in self.work.local:
-            self.target(m).copy_(self.source(m))
-        self.recvs = []
-
-    def swap(self) -> None:
-        for (name, box), staged in self.staging.items():
-            self.local.dst[name].local[box].copy_(staged)
-
-
-def _run(plan: TransferPlan, local: _Local, comm: Comm, scratch: _Scratch) -> tuple[str, ...]:
-    updated: list[str] = []
-    for i, (bucket, work) in enumerate(zip(plan.buckets, plan.work(comm.rank))):
-        what = f"transfer bucket {i + 1}/{len(plan.buckets)}"
-        try:
-            step = _Bucket(work, local, comm, scratch)
-            comm.run_everywhere(f"{what}: packing", step.pack)
-            comm.run_everywhere(f"{what}: moving", step.move)
-        except Exception as e:
-            done = tuple(updated)
-            rest = tuple(n for n in plan.tensors if n not in set(done))
-            failures = e.failures if isinstance(e, DistributedError) else {comm.rank: str(e)}
-            raise TransferAbortedError(
-                f"{e}. {len(done)} target tensor(s) were updated whole before the failure "
-                f"(TransferAbortedError.updated); the other {len(rest)} are untouched",
-                failures,
-                updated=done,
-                untouched=rest,
-            ) from e
-        step.swap()
-        del step  # its views of the scratch buffer go before the next bucket may regrow it
-        updated.extend(bucket.tensors)
-        logger.debug("%s: %d tensors swapped in", what, len(bucket.tensors))
-    return tuple(updated)
+    def wave_done(self, wave: Wave) -> None:
+        for ti, staged in self.staged.items():
+            t = self.plan.targets[ti]
+            self.dst[t.tensor].local[t.box].copy_(staged)
+        self.staged.clear()  # views of the arena go before the next wave reuses it
+        names = wave.tensors if isinstance(wave, TransferWave) else ()
+        for name in names:
+            if name in self.dst:
+                self.dst[name].fill_padding()
+        self.updated.extend(names)

@@ -16,7 +16,8 @@ from reshard_svc.errors import CheckpointError
 from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, HashingWriter
 from reshard_svc.format.index import Blob, CheckpointIndex, FileMeta
 from reshard_svc.layout import Box
-from reshard_svc.plan.read import Part, ReadPlan, Wave
+from reshard_svc.plan.items import Piece, Wave
+from reshard_svc.plan.read import ReadPlan
 from reshard_svc.plan.save import FileSpec
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
 from reshard_svc.storage import Storage
@@ -72,7 +73,7 @@ class BandSink:
         self.buffers: dict[int, torch.Tensor] = {}
         self.slabs: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
-    def view(self, part: Part) -> torch.Tensor:
+    def view(self, part: Piece) -> torch.Tensor:
         """The region of the target's staging buffer that ``part`` fills."""
         t = self.plan.targets[part.target]
         buf = self.buffers.get(part.target)
@@ -80,7 +81,7 @@ class BandSink:
             buf = self.buffers[part.target] = self.pool.take(t.box.sizes, self.dtypes[t.tensor])
         return buf[part.box.slices_in(t.box)]
 
-    def take(self, part: Part, data: torch.Tensor) -> bool:
+    def take(self, part: Piece, data: torch.Tensor) -> bool:
         """Whole-width row slabs are kept as they are (written without a copy)."""
         t = self.plan.targets[part.target]
         if (

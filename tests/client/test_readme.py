@@ -69,3 +69,36 @@ def test_readme_live_sync_moves_the_trained_weights_every_step(tmp_path):
     # every rank sees the same q|k|v bytes each step, and training changes them
     assert all(len(d) == 1 for d in digests.values()), digests
     assert len({next(iter(d)) for d in digests.values()}) == 3
+
+
+@pytest.mark.distributed
+def test_readme_stages_script_saves_per_stage_keys_and_loads_elsewhere(tmp_path):
+    script = tmp_path / "stages.py"
+    script.write_text(readme_code("stages"))
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)],
+        env={**os.environ, "CKPT_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = re.findall(
+        r"rank (\d) stage (\d): saved (\d) layers; TP 4 load equal (\w+); engine rows (\d+) "
+        r"real, padding zero (\w+); divergent replicas refused (\w+)",
+        r.stdout,
+    )
+    assert sorted(int(x[0]) for x in lines) == [0, 1, 2, 3], r.stdout
+    for rank, stage, layers, tp4, real, padded, refused in lines:
+        assert (stage, layers, tp4, padded, refused) == (
+            str(int(rank) // 2),
+            "2",
+            "True",
+            "True",
+            "True",
+        )
+        assert int(real) == max(0, min(16, 37 - 16 * int(rank)))
+    index = json.loads((tmp_path / "stages" / "reshard.index.json").read_text())
+    assert set(index["tensors"]) == {f"model.{i}.weight" for i in range(4)} | {"embed"}
+    assert not (tmp_path / "stages-bad").exists()
+    assert (
+        len(json.loads((tmp_path / "stages-ep" / "reshard.index.json").read_text())["tensors"]) == 4
+    )

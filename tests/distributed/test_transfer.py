@@ -15,7 +15,16 @@ from tests.support.harness import run
 
 pytestmark = pytest.mark.distributed
 
-SCENARIOS = ["fsdp_to_tp", "dp_tp_to_replicas", "overlapping", "failure", "mismatches"]
+SCENARIOS = [
+    "fsdp_to_tp",
+    "dp_tp_to_replicas",
+    "overlapping",
+    "failure",
+    "mismatches",
+    "pp_to_inference",
+    "verify_landing",
+    "verify_replicas",
+]
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +125,34 @@ def test_mismatched_names_fail_closed_on_every_rank(results):
             assert r[rank][case] == r[0][case]
         assert r[rank]["untouched_after_errors"], rank
         assert r[rank]["wrong_after"] == [], rank
+
+
+def test_pipeline_trainer_into_tp_dtensors_and_a_vllm_like_engine(results):
+    """A 2-stage x TP 2 trainer whose stages pass their own keys, into TP 4 DTensors and
+    into LocalShards with fused qkv/gate_up views, KV heads replicated past their count
+    and a padded vocabulary; verify=True on every call; the cached plan moves new values."""
+    r = results["pp_to_inference"]
+    for rank in range(8):
+        assert r[rank]["wrong_dtensors"] == [], rank
+        assert r[rank]["wrong_engine"] == [], rank  # real rows equal, padding rows 0
+        assert sorted(r[rank]["engine"]["updated"]) == sorted(w.trainer_params())
+        assert not r[rank]["engine"]["cached"] and r[rank]["engine_cached"]["cached"]
+    assert r[6]["padding_rows"] > 0 and r[7]["padding_rows"] > 0  # vocab 37 -> 64 rows
+    # the KV heads are replicated on two engine ranks each: both receive them
+    assert r[4]["engine"]["received"] == r[5]["engine"]["received"]
+
+
+def test_verify_refuses_a_piece_that_lands_changed(results):
+    r = results["verify_landing"]
+    for rank in range(8):
+        assert r[rank]["raised"] == "TransferAbortedError", rank
+        assert "did not land as sent" in r[rank]["message"]
+        assert len(r[rank]["untouched"]) == r[rank]["targets"], rank  # nothing swapped in
+
+
+def test_verify_refuses_sources_whose_replicas_differ(results):
+    r = results["verify_replicas"]
+    for rank in range(8):
+        assert r[rank]["raised"] == "ReplicaMismatchError", rank
+        assert "'model.norm.weight'" in r[rank]["message"] and "rank(s) 3" in r[rank]["message"]
+        assert len(r[rank]["untouched"]) == r[rank]["targets"], rank

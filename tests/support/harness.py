@@ -7,6 +7,7 @@ gives (RANK, WORLD_SIZE, MASTER_ADDR, ...), initialises a gloo process group in 
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import uuid
@@ -27,9 +28,15 @@ def _entry(fn: Callable[..., Any], *args: Any) -> Any:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo")
     try:
-        return fn(*args)
+        result = fn(*args)
+        dist.barrier()  # every rank has its verdict
     finally:
         dist.destroy_process_group()
+    # torch 2.13's gloo sometimes aborts while the interpreter tears down after sub-mesh
+    # work (with torch DCP as often as with us). The verdict is in and is returned before
+    # the interpreter exits; then leave without the teardown.
+    atexit.register(os._exit, 0)
+    return result
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:

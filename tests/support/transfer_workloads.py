@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 H, KV, INTER, VOCAB, LAYERS = 16, 8, 24, 37, 2
 SENTINEL = -7.0
@@ -133,12 +134,12 @@ def _sources(mesh: Any, placements: Any, scale: float = 1.0) -> dict[str, Any] |
     return {n: _dtensor(mesh, placements(n), full(n, scale)) for n in trainer_params()}
 
 
-def _targets(mesh: Any) -> dict[str, Any] | None:
+def _targets(mesh: Any, params: Any = None) -> dict[str, Any] | None:
     if not _in(mesh):
         return None
     return {
         n: _dtensor(mesh, tp_placements(n), torch.full(shape, SENTINEL, dtype=dtype))
-        for n, (shape, dtype) in inference_params().items()
+        for n, (shape, dtype) in (params or inference_params()).items()
     }
 
 
@@ -234,22 +235,23 @@ def failure_mid_transfer(bad_rank: int, bad_bucket: int) -> dict[str, Any]:
     trainer, inference = _mesh([0, 1, 2, 3]), _mesh([4, 5, 6, 7])
     src = _sources(trainer, lambda n: ["S(0)"])
     dst = _targets(inference)
-    real_unpack = runtime._Bucket.unpack
+    real_take, real_done = runtime._Staging.take, runtime._Staging.wave_done
     if dist.get_rank() == bad_rank:
-        calls = {"n": 0}
-        real = real_unpack
+        waves = {"done": 0}
 
-        def unpack(self: Any) -> None:
-            calls["n"] += 1
-            if calls["n"] == bad_bucket:
+        def wave_done(self: Any, wave: Any) -> None:
+            waves["done"] += 1
+            real_done(self, wave)
+
+        def take(self: Any, piece: Any, data: Any) -> bool:
+            if waves["done"] == bad_bucket - 1:
                 raise RuntimeError("injected failure while unpacking")
-            real(self)
+            return real_take(self, piece, data)
 
-        runtime._Bucket.unpack = unpack  # type: ignore[method-assign]
+        runtime._Staging.take, runtime._Staging.wave_done = take, wave_done  # type: ignore[method-assign]
     try:
         transfer(src, dst, names=fused_names(), max_memory=2048, plan_cache=None)
     except TransferAbortedError as e:
-        runtime._Bucket.unpack = real_unpack  # type: ignore[method-assign]
         updated, untouched = list(e.updated), list(e.untouched)
         wrong = [n for n in _wrong(dst) if n in updated]
         still = _untouched(dst)
@@ -261,7 +263,8 @@ def failure_mid_transfer(bad_rank: int, bad_bucket: int) -> dict[str, Any]:
             "wrong_updated": wrong,
             "sentinel_not_untouched": [n for n in untouched if dst is not None and n not in still],
         }
-    runtime._Bucket.unpack = real_unpack  # type: ignore[method-assign]
+    finally:
+        runtime._Staging.take, runtime._Staging.wave_done = real_take, real_done  # type: ignore[method-assign]
     return {"raised": None}
 
 
@@ -299,6 +302,162 @@ def mismatches() -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------- pipeline trainer, engines
+
+
+def stage_of(name: str) -> int:
+    """A 2-stage pipeline split: stage 0 holds the embeddings and layer 0, stage 1 the
+    rest (each stage passes only its own keys)."""
+    return 0 if "embed" in name or ".layers.0." in name else 1
+
+
+def _pp_sources(scale: float = 1.0) -> dict[str, Any] | None:
+    """2 stages x TP 2 on ranks 0-3: DTensors on each stage's own TP sub-mesh."""
+    rank = dist.get_rank()
+    if rank >= 4:
+        _mesh([0, 1]), _mesh([2, 3])  # every rank builds every mesh
+        return None
+    meshes = [_mesh([0, 1]), _mesh([2, 3])]
+    stage = rank // 2
+    return {
+        n: _dtensor(meshes[stage], tp_placements(n), full(n, scale))
+        for n in trainer_params()
+        if stage_of(n) == stage
+    }
+
+
+VOCAB_PAD = 64  # vLLM pads the vocabulary to a multiple of 64, then splits it over TP
+
+
+def engine_shards(rank: int, tp: int = 4) -> dict[str, Any]:
+    """A vLLM-like TP engine's own buffers, as LocalShards (filled in place): fused
+    qkv_proj and gate_up_proj are one local tensor each (the LocalShards are views of
+    them), the KV heads are replicated once TP exceeds their count (2 KV heads at TP 4:
+    ranks 0-1 hold head 0), and the vocabulary is padded to 64 rows split 16 per rank
+    (rank 2 holds 5 real rows, rank 3 none)."""
+    from reshard_svc import LocalShard
+
+    kv_heads, head_dim = 2, H // 4  # 4 query heads, 2 KV heads
+    q_rows, kv_rows, ffn = H // tp, head_dim, INTER // tp
+    kv_head = rank * kv_heads // tp
+    out: dict[str, Any] = {}
+    params = trainer_params()
+    per = VOCAB_PAD // tp
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        buf = torch.full((per, H), SENTINEL, dtype=torch.bfloat16)
+        valid = max(0, min(per, VOCAB - rank * per))
+        out[name] = LocalShard(buf, (VOCAB, H), (rank * per, 0), valid=(valid, H))
+    out["model.norm.weight"] = LocalShard(torch.full((H,), SENTINEL), (H,), (0,))
+    for i in range(LAYERS):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = torch.full((q_rows + 2 * kv_rows, H), SENTINEL, dtype=torch.bfloat16)
+        out[a + "q_proj.weight"] = LocalShard(qkv[:q_rows], (H, H), (rank * q_rows, 0))
+        for j, k in enumerate(("k_proj", "v_proj")):
+            at = q_rows + j * kv_rows
+            out[a + k + ".weight"] = LocalShard(
+                qkv[at : at + kv_rows], params[a + k + ".weight"][0], (kv_head * head_dim, 0)
+            )
+        gate_up = torch.full((2 * ffn, H), SENTINEL, dtype=torch.bfloat16)
+        out[m + "gate_proj.weight"] = LocalShard(gate_up[:ffn], (INTER, H), (rank * ffn, 0))
+        out[m + "up_proj.weight"] = LocalShard(gate_up[ffn:], (INTER, H), (rank * ffn, 0))
+        o = torch.full((H, q_rows), SENTINEL, dtype=torch.bfloat16)
+        out[a + "o_proj.weight"] = LocalShard(o, (H, H), (0, rank * q_rows))
+        down = torch.full((H, ffn), SENTINEL, dtype=torch.bfloat16)
+        out[m + "down_proj.weight"] = LocalShard(down, (H, INTER), (0, rank * ffn))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"model.layers.{i}.{norm}.weight"] = LocalShard(
+                torch.full((H,), SENTINEL), (H,), (0,)
+            )
+    return out
+
+
+def _engine_wrong(dst: dict[str, Any] | None, scale: float = 1.0) -> list[str]:
+    """Names whose real rows differ from the trainer's tensor, or whose padding is not 0."""
+    if dst is None:
+        return []
+    bad = []
+    for name, shard in dst.items():
+        want = full(name, scale)
+        data = shard.data
+        region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, data.shape))
+        ok = torch.equal(data, want[region]) if data.numel() else True
+        ok = ok and all(bool((slab == 0).all()) for slab in shard.padding())
+        if not ok:
+            bad.append(name)
+    return bad
+
+
+def pp_to_inference() -> dict[str, Any]:
+    """A 2-stage x TP 2 trainer (ranks 0-3, per-stage keys) into TP 4 DTensors (ranks 4-7),
+    then into a vLLM-like engine of LocalShards, each with verify=True; then a second
+    step from the cached plan."""
+    from reshard_svc import transfer
+
+    src = _pp_sources()
+    inference = _mesh([4, 5, 6, 7])
+    dst = _targets(inference, trainer_params())  # the trainer's names, unfused
+    a = transfer(src, dst, verify=True)
+    engine = engine_shards(dist.get_rank() - 4) if dist.get_rank() >= 4 else None
+    b = transfer(src, engine, verify=True)
+    if src is not None:
+        for dt in src.values():
+            dt.to_local().mul_(2)
+    c = transfer(src, engine, verify=True)
+    return {
+        "dtensors": _summary(a), "wrong_dtensors": _wrong_unfused(dst),
+        "engine": _summary(b), "engine_cached": _summary(c), "wrong_engine": _engine_wrong(engine, 2.0),
+        "padding_rows": sum(s.tensor.numel() - s.data.numel() for s in (engine or {}).values()),
+    }  # fmt: skip
+
+
+def _wrong_unfused(dst: dict[str, Any] | None) -> list[str]:
+    """Target names (the trainer's, unfused) whose shard differs from torch's own."""
+    if dst is None:
+        return []
+    return [
+        n
+        for n, dt in dst.items()
+        if not torch.equal(
+            dt.to_local(), _dtensor(dt.device_mesh, tp_placements(n), full(n)).to_local()
+        )
+    ]
+
+
+def verify_catches(case: str) -> dict[str, Any]:
+    """verify=True refuses a piece that lands other than it was sent (a byte flipped on
+    rank 5 while landing), and sources whose replicas differ; nothing is swapped in."""
+    from reshard_svc import ReplicaMismatchError, TransferAbortedError, transfer
+    from reshard_svc.runtime import transfer as runtime
+
+    rank = dist.get_rank()
+    if case == "landing":
+        src = _sources(_mesh([0, 1, 2, 3]), lambda n: ["S(0)"])
+    else:  # (dp 2 x tp 2): embeddings and norms have two replicas; one drifts on rank 3
+        src = _sources(_mesh([0, 1, 2, 3], (2, 2)), fsdp_tp_placements)
+        if src is not None and rank == 3:
+            src["model.norm.weight"].to_local()[0] += 1
+    dst = _targets(_mesh([4, 5, 6, 7]))
+    real_take = runtime._Staging.take
+    if case == "landing" and rank == 5:
+
+        def take(self: Any, piece: Any, data: Any) -> bool:
+            view = self.view(piece)
+            view.copy_(data)
+            view.view(-1)[0] += 1  # what arrives is not what was sent
+            return True
+
+        runtime._Staging.take = take  # type: ignore[method-assign]
+    try:
+        transfer(src, dst, names=fused_names(), verify=True, plan_cache=None)
+        raised, message = None, ""
+    except (TransferAbortedError, ReplicaMismatchError) as e:
+        raised, message = type(e).__name__, str(e)
+    finally:
+        runtime._Staging.take = real_take  # type: ignore[method-assign]
+    return {"raised": raised, "message": message, "untouched": _untouched(dst),
+            "targets": len(dst or {})}  # fmt: skip
+
+
 def scenarios(names: list[str]) -> dict[str, Any]:
     """Run several scenarios in one 8-process world (process start-up dominates on CI)."""
     runs = {
@@ -307,5 +466,8 @@ def scenarios(names: list[str]) -> dict[str, Any]:
         "overlapping": overlapping,
         "failure": lambda: failure_mid_transfer(5, 2),
         "mismatches": mismatches,
+        "pp_to_inference": pp_to_inference,
+        "verify_landing": lambda: verify_catches("landing"),
+        "verify_replicas": lambda: verify_catches("replicas"),
     }
     return {name: runs[name]() for name in names}

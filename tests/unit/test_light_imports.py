@@ -27,3 +27,22 @@ def test_public_names_resolve_and_unknown_ones_raise():
     assert set(reshard_svc.__all__) <= set(dir(reshard_svc))
     with pytest.raises(AttributeError, match="no_such_name"):
         reshard_svc.no_such_name  # noqa: B018
+
+
+def test_every_public_error_is_exported():
+    """As httpx's test_exported_members: each error class of errors.py is a public name
+    of the package, and each name in __all__ is defined."""
+    import inspect
+
+    import reshard_svc
+    from reshard_svc import errors
+
+    defined = {
+        name
+        for name, obj in vars(errors).items()
+        if inspect.isclass(obj) and issubclass(obj, errors.ReshardError)
+    }
+    assert defined <= set(reshard_svc.__all__), sorted(defined - set(reshard_svc.__all__))
+    assert set(errors.__all__) == defined
+    for name in reshard_svc.__all__:
+        assert hasattr(reshard_svc, name), name

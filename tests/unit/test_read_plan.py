@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Box, Layout
 from reshard_svc.layout.box import check_tiling
+from reshard_svc.plan.items import Held
 from reshard_svc.plan.read import ReadPlan, band_limit, plan_reads, row_step
 from tests.unit.test_layout import cases
 
@@ -76,7 +77,7 @@ def plan_for(shape, src, dst, budget, strategy, copies=1):
     names = [f"t{i}" for i in range(copies)]
     tensors = {n: stored(n, shape, src, at=64 + 8 * i) for i, n in enumerate(names)}
     index = CheckpointIndex(tensors=tensors, files={})
-    boxes = [(it.box, it.holders) for it in dst.write_items(shape, ISZ)]
+    boxes = [Held(box=it.box, holders=it.holders) for it in dst.write_items(shape, ISZ)]
     wanted = dict.fromkeys(names, boxes)
     plan = plan_reads(index, wanted, dst.mesh.size, budget, strategy=strategy)
     return index, plan, wanted
@@ -86,11 +87,12 @@ def plan_for(shape, src, dst, budget, strategy, copies=1):
 @given(problems())
 def test_every_target_byte_reaches_each_holder_once(problem):
     _, plan, wanted = plan_for(*problem)
-    want = {(n, b, h) for n, bs in wanted.items() for b, hs in bs if not b.is_empty for h in hs}
+    want = {(n, h.box, r) for n, hs in wanted.items() for h in hs if not h.box.is_empty
+            for r in h.holders}  # fmt: skip
     got: dict[tuple[str, Box, int], list[Box]] = {}
     reads = {r.id: r for w in plan.waves for r in w.reads}
     for w in plan.waves:
-        for p in w.parts:
+        for p in w.pieces:
             t = plan.targets[p.target]
             assert t.box.contains(p.box) and p.dest in t.holders
             assert reads[p.read].tensor == t.tensor
@@ -110,7 +112,7 @@ def test_parts_come_from_their_reads_at_the_right_offsets(problem):
     reads = {r.id: r for w in plan.waves for r in w.reads}
     for w in plan.waves:
         wave_reads = {r.id for r in w.reads}
-        for p in w.parts:
+        for p in w.pieces:
             assert p.read in wave_reads, "a part's read is in another wave"
             assert reads[p.read].box.contains(p.box)
             assert p.nbytes == p.box.numel * ISZ
@@ -150,7 +152,7 @@ def test_waves_stay_within_the_budget(problem):
         use = [0] * plan.world
         for r in w.reads:
             use[r.reader] += r.nbytes
-        for p in w.parts:
+        for p in w.pieces:
             use[p.dest] += p.nbytes
             if p.dest != reads[p.read].reader:
                 use[reads[p.read].reader] += p.nbytes
@@ -170,7 +172,7 @@ def test_a_shared_template_plans_each_tensor_as_if_alone(problem):
         reads = {r.id: r for w in p.waves for r in w.reads if r.tensor == name}
         out: dict[int, set] = {i: set() for i in reads}
         for w in p.waves:
-            for part in w.parts:
+            for part in w.pieces:
                 if part.read in reads:
                     out[part.read].add((part.box, part.dest))
         return {(reads[i].file, reads[i].begin, reads[i].box, frozenset(v)) for i, v in out.items()}
@@ -187,7 +189,8 @@ def test_tied_reads_spread_over_tensors_that_share_a_template():
     src, dst = Layout.parse("tp=2", "R"), Layout.parse("dp=4", "R")
     tensors = {f"n{i}": stored(f"n{i}", (64,), src) for i in range(8)}
     index = CheckpointIndex(tensors=tensors, files={})
-    wanted = {n: [(it.box, it.holders) for it in dst.write_items((64,), ISZ)] for n in tensors}
+    wanted = {n: [Held(box=it.box, holders=it.holders) for it in dst.write_items((64,), ISZ)]
+              for n in tensors}  # fmt: skip
     plan = plan_reads(index, wanted, 4, 1 << 20, strategy="exchange")
     assert plan.bytes_read() == [2 * 64 * ISZ] * 4
     assert max(plan.bytes_sent()) == min(plan.bytes_sent()) == 2 * 3 * 64 * ISZ
@@ -215,7 +218,7 @@ def _replicated_problem():
     dst = Layout.parse("dp=2", "R")
     meta = stored("t", shape, src)
     index = CheckpointIndex(tensors={"t": meta}, files={})
-    wanted = {"t": [(it.box, it.holders) for it in dst.write_items(shape, ISZ)]}
+    wanted = {"t": [Held(box=it.box, holders=it.holders) for it in dst.write_items(shape, ISZ)]}
     return index, wanted
 
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from reshard_svc.errors import TransferError
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
-from reshard_svc.plan.transfer import Cat, Side, plan_transfer
+from reshard_svc.plan.items import Held, Holdings
+from reshard_svc.plan.transfer import Cat, plan_transfer
 
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ISZ = 8  # float64: values are exact
@@ -39,13 +40,30 @@ def layouts(draw, ndim: int) -> Layout:
     return Layout(Mesh(mesh), tuple(placements))
 
 
-def side(shape: tuple[int, ...], layout: Layout, first_rank: int) -> Side:
+def side(shape: tuple[int, ...], layout: Layout, first_rank: int) -> Holdings:
     holders: dict[Box, list[int]] = {}
     for i, boxes in enumerate(layout.shards(shape)):
         for b in boxes:
             if not b.is_empty:
                 holders.setdefault(b, []).append(first_rank + i)
-    return Side("float64", ISZ, shape, tuple((b, tuple(h)) for b, h in sorted(holders.items())))
+    held = tuple(Held(box=b, holders=tuple(h)) for b, h in sorted(holders.items()))
+    return Holdings(dtype="float64", itemsize=ISZ, shape=shape, held=held)
+
+
+def moves(plan):
+    """(read, piece, target, box of the piece in its source's own coordinates) of every
+    piece of the plan."""
+    for wave in plan.waves:
+        reads = {r.id: r for r in wave.reads}
+        for p in wave.pieces:
+            r = reads[p.read]
+            shift = [o - b for o, b in zip(r.origin.offsets, r.box.offsets)] if r.origin else None
+            src_box = (
+                Box(tuple(o + d for o, d in zip(p.box.offsets, shift)), p.box.sizes)
+                if shift
+                else p.box
+            )
+            yield r, p, plan.targets[p.target], src_box
 
 
 @st.composite
@@ -94,31 +112,32 @@ def test_every_target_element_arrives_once_from_a_holder(problem, budget):
     }
     want = torch.cat(list(fulls.values()), dim=0)
     got = {
-        (r, b): torch.full(b.sizes, float("nan"), dtype=torch.float64)
-        for b, hs in dst["t"].boxes
-        for r in hs
+        (r, h.box): torch.full(h.box.sizes, float("nan"), dtype=torch.float64)
+        for h in dst["t"].held
+        for r in h.holders
     }
     count = {k: torch.zeros(k[1].sizes, dtype=torch.int64) for k in got}
-    src_holders = {n: dict(s.boxes) for n, s in src.items()}
-    for bucket in plan.buckets:
-        for m in bucket.moves:
-            assert m.sender in src_holders[m.src][m.src_box]
-            assert m.src_box.relative_to(m.src_box).contains(m.src_piece)
-            assert (m.sender == m.receiver) == (m.receiver in src_holders[m.src][m.src_box])
-            values = fulls[m.src][_sl(m.src_box)][_sl(m.src_piece)]
-            got[(m.receiver, m.dst_box)][_sl(m.dst_piece)] = values
-            count[(m.receiver, m.dst_box)][_sl(m.dst_piece)] += 1
-            assert m.nbytes == m.src_piece.numel * ISZ
+    src_holders = {n: {h.box: h.holders for h in s.held} for n, s in src.items()}
+    everything = list(moves(plan))
+    for read, piece, target, src_box in everything:
+        held = read.origin or read.box
+        assert read.reader in src_holders[read.tensor][held]
+        assert held.contains(src_box) and target.box.contains(piece.box)
+        assert (read.reader == piece.dest) == (piece.dest in src_holders[read.tensor][held])
+        values = fulls[read.tensor][_sl(src_box)]
+        got[(piece.dest, target.box)][piece.box.slices_in(target.box)] = values
+        count[(piece.dest, target.box)][piece.box.slices_in(target.box)] += 1
+        assert piece.nbytes == piece.box.numel * ISZ
     for (rank, box), value in got.items():
         assert torch.equal(value, want[_sl(box)]), (rank, box)
         assert bool((count[(rank, box)] == 1).all())
-    moves = [m for b in plan.buckets for m in b.moves]
     assert (
         sum(plan.sent)
         == sum(plan.received)
-        == sum(m.nbytes for m in moves if m.sender != m.receiver)
+        == sum(p.nbytes for r, p, _, _ in everything if r.reader != p.dest)
     )
-    assert sum(plan.copied) == sum(m.nbytes for m in moves if m.sender == m.receiver)
+    assert sum(plan.copied) == sum(p.nbytes for r, p, _, _ in everything if r.reader == p.dest)
+    assert plan.bytes_total == sum(p.nbytes for _, p, _, _ in everything)
     assert plan.tensors == ("t",)
     assert max(plan.peak) <= budget
 
@@ -130,15 +149,22 @@ def test_sending_spreads_over_replicas(problem):
     sent so far, and pieces a receiver holds itself are copied, never sent."""
     src, dst, names, world = build(*problem)
     plan = plan_transfer(src, dst, names, world, 1 << 40)
-    holders = {n: dict(s.boxes) for n, s in src.items()}
+    holders = {n: {h.box: h.holders for h in s.held} for n, s in src.items()}
     load = [0] * world
-    for m in (m for b in plan.buckets for m in b.moves):
-        hs = holders[m.src][m.src_box]
-        if m.receiver in hs:
-            assert m.sender == m.receiver
+    boxes = {n: [h.box for h in s.held] for n, s in src.items()}
+
+    def made(m):  # the planner's order: target box, its holder, source (Cat order), box
+        read, piece, target, _ = m
+        held = boxes[read.tensor].index(read.origin or read.box)
+        return piece.target, target.holders.index(piece.dest), int(read.tensor[1:]), held
+
+    for read, piece, _, _ in sorted(moves(plan), key=made):
+        hs = holders[read.tensor][read.origin or read.box]
+        if piece.dest in hs:
+            assert read.reader == piece.dest
             continue
-        assert load[m.sender] == min(load[h] for h in hs)
-        load[m.sender] += m.nbytes
+        assert load[read.reader] == min(load[h] for h in hs)
+        load[read.reader] += piece.nbytes
     assert tuple(load) == plan.sent
 
 
@@ -149,16 +175,17 @@ def test_many_buckets_keep_whole_tensors_together():
     dst = {f"w{i}": side(shape, Layout(Mesh((2,)), (Shard(1),)), 2) for i in range(6)}
     per_tensor = 8 * 4 * ISZ  # each rank sends half, receives half, stages half
     plan = plan_transfer(src, dst, None, 4, 2 * per_tensor)
-    assert len(plan.buckets) == 3
-    for b in plan.buckets:
-        assert {m.dst for m in b.moves} == set(b.tensors)
+    assert len(plan.waves) == 3
+    for w in plan.waves:
+        assert {plan.targets[p.target].tensor for p in w.pieces} == set(w.tensors)
+        assert {r.tensor for r in w.reads} == set(w.tensors)
     assert plan.tensors == tuple(sorted(dst))
 
 
 def _simple(shape=(4, 4), dtype="float64"):
     lay = Layout(Mesh((2,)), (Shard(0),))
     s = side(shape, lay, 0)
-    return Side(dtype, ISZ, s.shape, s.boxes)
+    return Holdings(dtype=dtype, itemsize=ISZ, shape=s.shape, held=s.held)
 
 
 @pytest.mark.parametrize(
@@ -192,7 +219,7 @@ def test_mismatches_are_typed_errors(src, dst, names, text):
 
 def test_sources_that_do_not_tile_are_refused():
     full = _simple()
-    holed = Side("float64", ISZ, (4, 4), full.boxes[:1])  # rank 1's half is missing
+    holed = Holdings(dtype="float64", itemsize=ISZ, shape=(4, 4), held=full.held[:1])  # half
     with pytest.raises(TransferError, match="cover 8 of 16"):
         plan_transfer({"a": holed}, {"a": full}, None, 4, 1 << 30)
 

@@ -1,0 +1,56 @@
+"""One cache of plans, shared by ``load``, ``convert`` and ``transfer``.
+
+Entries are keyed by a plan's *whole* inputs (tuples compared by equality, never trusted
+by hash alone), so a hit is exactly the plan those inputs give. The newest entries are
+kept; access is thread-safe (``async_save`` and training threads may plan at once).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["PlanCache"]
+
+V = TypeVar("V")
+
+
+class PlanCache(Generic[V]):
+    """The last ``maxsize`` plans (or anything a planner keeps with them), newest last."""
+
+    def __init__(self, maxsize: int = 8) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[Hashable, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+    def put(self, key: Hashable, value: V) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+
+    def get_or_build(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The cached value for ``key``, or ``build()`` kept for next time."""
+        hit = self.get(key)
+        if hit is None:
+            hit = build()
+            self.put(key, hit)
+        return hit
+
+    def clear(self) -> None:
+        """Drop every entry (and whatever buffers they keep)."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

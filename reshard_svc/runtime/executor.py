@@ -1,0 +1,309 @@
+"""The one executor: every plan's waves on this rank — ``load``, ``convert`` and
+``transfer`` alike (:mod:`reshard_svc.plan.items` is the vocabulary they share).
+
+Every rank calls :func:`execute` with the same plan and walks the same waves, so the
+collectives line up. Per wave:
+
+1. **read and pack** — this rank's reads come from its :class:`Source` (storage: ranged,
+   block-checked reads, straight into place where it can; memory: the tensors a rank
+   holds), and the pieces it sends are packed into one byte buffer in plan order, each
+   aligned (:func:`~reshard_svc.runtime.buffers.aligned`) so it can be viewed as any dtype. An agreement ends the step: if any
+   rank failed, every rank raises, and none is left waiting in the exchange.
+2. **exchange** — one ``all_to_all`` (or point-to-point sends, for a sparse plan such as a
+   transfer between two meshes) through :class:`~reshard_svc.runtime.comm.Comm`.
+3. **land** — every piece for this rank goes to the :class:`Destination`: taken as is
+   (``take``) or copied into ``view(piece)``; its own reads' pieces first, then what it
+   received, in plan order.
+4. **agree** — every rank reports the wave landed (and, with ``verify``, the CRC32C of
+   every piece as sent and as landed); on any failure or mismatch every rank raises.
+   Only then ``dest.wave_done(wave)``: a destination may publish the wave (a transfer
+   swaps it in) knowing every rank has it whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import crc32c
+import torch
+
+from reshard_svc.errors import DistributedError
+from reshard_svc.plan.items import Piece, Plan, Read, Wave
+from reshard_svc.runtime.buffers import Arena, aligned
+from reshard_svc.runtime.comm import Comm
+
+__all__ = ["Destination", "Progress", "ProgressInfo", "Source", "execute"]
+
+logger = logging.getLogger(__name__)
+
+
+class Destination(Protocol):
+    """Where the executor lands a plan's pieces on this rank."""
+
+    def view(self, piece: Piece) -> torch.Tensor:
+        """The CPU tensor region ``piece`` lands in (the executor copies into it, or a
+        source reads straight into it from a local file)."""
+        ...
+
+    def take(self, piece: Piece, data: torch.Tensor) -> bool:
+        """Keep ``data`` (``piece.box`` in the read's dtype) as it is, without a copy, and
+        say True; or say False and the executor copies it into ``view(piece)``."""
+        ...
+
+    def wave_done(self, wave: Wave) -> None:
+        """Every piece of ``wave`` has landed on every rank."""
+        ...
+
+
+class Source(Protocol):
+    """Where this rank's reads come from."""
+
+    def dtype(self, tensor: str) -> torch.dtype:
+        """The dtype of a read's bytes (what ``tensor`` holds where it is read)."""
+        ...
+
+    def read(
+        self, reads: Sequence[Read], pieces: Mapping[int, list[Piece]], dest: Destination
+    ) -> tuple[list[torch.Tensor], set[Piece]]:
+        """This rank's reads of one wave, in order, as tensors of each read's box; and the
+        pieces (of ``pieces``, by read id) already put straight into ``dest``."""
+        ...
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes fetched from storage so far (0 from memory)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProgressInfo:
+    """Reported after every wave; the same numbers on every rank."""
+
+    bytes_done: int
+    bytes_total: int
+    tensors_done: int
+    tensors_total: int
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+            "tensors_done": self.tensors_done,
+            "tensors_total": self.tensors_total,
+        }
+
+
+Progress = Callable[[ProgressInfo], None]
+
+
+def _crc(t: torch.Tensor) -> int:
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    return int(crc32c.crc32c(flat.cpu().view(torch.uint8).numpy()))
+
+
+@dataclass(frozen=True)
+class _MyWave:
+    """One wave as this rank sees it: its reads, and the pieces that cross between ranks
+    (in plan order, the order of the exchange buffers on every rank)."""
+
+    pieces: Sequence[Piece]
+    readers: dict[int, Read]  # read id -> read
+    mine: list[Read]  # the reads this rank performs
+    pieces_of: dict[int, list[Piece]]  # read id -> its pieces, for this rank's reads
+    crossing: list[Piece]
+
+    @classmethod
+    def of(cls, wave: Wave, me: int) -> _MyWave:
+        reads, pieces = wave.reads, wave.pieces  # built once per wave
+        readers = {r.id: r for r in reads}
+        pieces_of: dict[int, list[Piece]] = {}
+        for p in pieces:
+            if readers[p.read].reader == me:
+                pieces_of.setdefault(p.read, []).append(p)
+        crossing = [p for p in pieces if readers[p.read].reader != p.dest]
+        return cls(pieces, readers, [r for r in reads if r.reader == me], pieces_of, crossing)
+
+    def sender(self, p: Piece) -> int:
+        return self.readers[p.read].reader
+
+    def piece(self, bands: Mapping[int, torch.Tensor], p: Piece) -> torch.Tensor:
+        """Piece ``p`` inside the band this rank read for it."""
+        r = self.readers[p.read]
+        return bands[r.id][p.box.slices_in(r.box)]
+
+
+class _Step:
+    """One wave on this rank: read and pack, exchange, land; with CRCs when verifying."""
+
+    def __init__(
+        self, w: _MyWave, plan: Plan, source: Source, comm: Comm, arena: Arena | None
+    ) -> None:
+        self.w, self.plan, self.source, self.comm, self.arena = w, plan, source, comm, arena
+        self.bands: dict[int, torch.Tensor] = {}
+        self.in_place: set[Piece] = set()
+        self.send = self.recv = torch.empty(0, dtype=torch.uint8)
+        self.send_splits = [0] * comm.world
+        self.recv_splits = [0] * comm.world
+        self.sent: dict[int, int] = {}  # piece index -> CRC32C, when verifying
+        self.got: dict[int, int] = {}
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self.arena is not None:
+            return self.arena.take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def read_and_pack(self, dest: Destination, verify: bool) -> None:
+        w, me = self.w, self.comm.rank
+        views, self.in_place = self.source.read(w.mine, w.pieces_of, dest)
+        self.bands = {r.id: v for r, v in zip(w.mine, views)}
+        if not w.crossing or self.comm.world == 1:
+            return
+        for p in w.crossing:
+            src = w.sender(p)
+            if src == me:
+                self.send_splits[p.dest] += aligned(p.nbytes)
+            if p.dest == me:
+                self.recv_splits[src] += aligned(p.nbytes)
+        self.send = self._buffer(sum(self.send_splits))
+        self.recv = self._buffer(sum(self.recv_splits))
+        index = {id(p): i for i, p in enumerate(w.pieces)} if verify else {}
+        off = 0
+        for p in w.crossing:
+            if w.sender(p) != me:
+                continue
+            slot = self.send[off : off + p.nbytes]
+            typed = slot.view(self.source.dtype(w.readers[p.read].tensor)).view(p.box.sizes)
+            typed.copy_(w.piece(self.bands, p))
+            if verify:
+                self.sent[index[id(p)]] = _crc(slot)
+            off += aligned(p.nbytes)
+
+    def exchange(self) -> None:
+        if not self.w.crossing or self.comm.world == 1:
+            return
+        self.recv = self.comm.exchange(
+            self.send, self.send_splits, self.recv_splits, out=self.recv,
+            point_to_point=self.plan.point_to_point,
+        )  # fmt: skip
+        self.send = torch.empty(0, dtype=torch.uint8)
+
+    def land(self, dest: Destination, verify: bool) -> None:
+        """Every piece of the wave for this rank into ``dest``: its own reads' pieces first
+        (unless read in place), then what it received, in plan order."""
+        w, me = self.w, self.comm.rank
+
+        def land(p: Piece, data: torch.Tensor) -> None:
+            if not dest.take(p, data):
+                dest.view(p).copy_(data)
+
+        index = {id(p): i for i, p in enumerate(w.pieces)} if verify else {}
+        for p in w.pieces:
+            if p.dest == me and w.sender(p) == me:
+                data = w.piece(self.bands, p)
+                if verify:
+                    self.sent[index[id(p)]] = _crc(data)
+                if p not in self.in_place:
+                    land(p, data)
+        off = 0
+        for p in w.crossing:
+            if p.dest == me:
+                dtype = self.source.dtype(w.readers[p.read].tensor)
+                land(p, self.recv[off : off + p.nbytes].view(dtype).view(p.box.sizes))
+                off += aligned(p.nbytes)
+        self.bands.clear()
+        self.recv = torch.empty(0, dtype=torch.uint8)
+        if verify:
+            for i, p in enumerate(w.pieces):
+                if p.dest == me:
+                    self.got[i] = _crc(dest.view(p))
+
+
+def _check_pieces(wave: _MyWave, plan: Plan, reports: list[Any]) -> None:
+    """Every piece landed with the CRC32C it was sent with (the same verdict on every rank)."""
+    sent: dict[int, int] = {}
+    got: dict[int, int] = {}
+    for r in reports:
+        sent.update({int(k): v for k, v in r["sent"].items()})
+        got.update({int(k): v for k, v in r["got"].items()})
+    bad = []
+    for i, p in enumerate(wave.pieces):
+        if sent.get(i) != got.get(i):
+            t = plan.targets[p.target]
+            bad.append(
+                f"{t.tensor!r} {list(p.box.offsets)}+{list(p.box.sizes)} from rank "
+                f"{wave.sender(p)} to rank {p.dest}: sent CRC32C {sent.get(i)}, landed {got.get(i)}"
+            )
+    if bad:
+        raise DistributedError(
+            f"verify: {len(bad)} piece(s) did not land as sent: {'; '.join(bad[:5])}"
+        )
+
+
+def execute(
+    plan: Plan,
+    source: Source,
+    comm: Comm,
+    dest: Destination,
+    *,
+    progress: Progress | None = None,
+    arena: Arena | None = None,
+    verify: bool = False,
+    label: str = "",
+) -> int:
+    """Run ``plan`` on this rank (every rank calls it); returns the bytes this rank read
+    from storage.
+
+    ``arena`` (kept by the caller between runs) provides the exchange buffers, so a plan
+    run again faults in no new memory. ``verify`` compares every piece's CRC32C as sent
+    and as landed before ``wave_done``. A failure anywhere raises on every rank at the
+    wave's next agreement: the rank that failed re-raises its own error, the others a
+    :class:`~reshard_svc.errors.DistributedError` naming it.
+    """
+    me = comm.rank
+    total, tensors_total = plan.bytes_total, plan.tensor_count
+    done = tensors_done = 0
+    waves = plan.waves
+    # A failure in wave_done is held until the next agreement, so every rank fails
+    # together instead of leaving peers blocked in an exchange.
+    pending: list[BaseException] = []
+
+    def raise_pending() -> None:
+        if pending:
+            raise pending[0]
+
+    for i, wave in enumerate(waves):
+        w = _MyWave.of(wave, me)
+        if arena is not None:
+            arena.reset()
+        step = _Step(w, plan, source, comm, arena)
+        what = f"{label}wave {i + 1}/{len(waves)}"
+
+        def read_and_pack(step: _Step = step) -> None:
+            raise_pending()
+            step.read_and_pack(dest, verify)
+
+        comm.run_everywhere(f"{what}: reading", read_and_pack)
+        step.exchange()
+
+        def land(step: _Step = step) -> dict[str, Any]:
+            step.land(dest, verify)
+            return {"sent": step.sent, "got": step.got} if verify else {}
+
+        _, reports = comm.run_everywhere(f"{what}: landing", land)
+        if verify:
+            _check_pieces(w, plan, reports)
+        try:
+            dest.wave_done(wave)
+        except Exception as e:  # surfaced on every rank at the next agreement
+            pending.append(e)
+        done += sum(p.nbytes for p in w.pieces)
+        tensors_done += wave.tensors_done
+        if progress is not None:
+            progress(ProgressInfo(done, total, tensors_done, tensors_total))
+    comm.run_everywhere(f"{label}finishing", raise_pending)
+    return source.bytes_read
