@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.support.training import DIM, VOCAB, Block
+from tests.support.training import DIM, VOCAB, Block, block_tp_plan
 
 LAYERS = 4
 SEQ, BATCH = 8, 4
@@ -58,7 +58,7 @@ def _tp_plan(model: Staged, tp_mesh: Any) -> None:
         parallelize_module,
     )
 
-    top = {}
+    top: dict[str, Any] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     if model.output is not None:
@@ -66,19 +66,7 @@ def _tp_plan(model: Staged, tp_mesh: Any) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
-            },
-        )
+        parallelize_module(block, tp_mesh, block_tp_plan())
 
 
 def build(pp: int, tp: int) -> tuple[Staged, Any, int]:

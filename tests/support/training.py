@@ -70,6 +70,20 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
+def block_tp_plan() -> dict:
+    """torch TP for one Block: column-parallel q/k/v and w1/w3, row-parallel wo and w2."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
+    where = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention"}
+    return {
+        f"{where.get(n, 'feed_forward')}.{n}": (
+            ColwiseParallel() if n in col else RowwiseParallel()
+        )
+        for n in (*col, *row)
+    }
+
+
 def build(tp: int, dp: int = 1):
     """The model parallelized with ColwiseParallel/RowwiseParallel at TP=tp (blocks with
     activation checkpointing and input_reshard), FSDP2 on a dp axis when dp > 1; AdamW."""
@@ -98,19 +112,7 @@ def build(tp: int, dp: int = 1):
         },
     )
     for block in model.layers:
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
-            },
-        )
+        parallelize_module(block, tp_mesh, block_tp_plan())
     # input_reshard goes with activation checkpointing: only the (replicated) block input is
     # saved, sharded on the sequence dim between forward and the recompute in backward.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
