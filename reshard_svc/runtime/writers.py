@@ -53,10 +53,12 @@ def copy_blobs(
 class BandSink:
     """Where a worker's target bands gather during a wave, and how they reach their files.
 
-    A band that arrives as whole-width row slabs (a row-sharded target from row-sharded
-    sources: each slab is a contiguous piece of a verified memory map or of a receive
-    buffer) is written slab by slab, never copied. Any other band is assembled in a
-    pooled buffer that goes back to the pool once it is written.
+    Pieces are kept where they arrived (a verified memory map of the source, or a receive
+    buffer), never assembled in a band-sized buffer: a band of whole-width row slabs is
+    written slab by slab; a 2-D band split by columns (a ``Shard(1)`` target) is gathered
+    a cache-sized run of rows at a time on the write thread, checksummed and written
+    while in cache. Only a piece that needs a cast, or a band of more dims split inside
+    its rows, lands in a pooled buffer (``view``) that goes back once written.
     """
 
     def __init__(
@@ -71,7 +73,7 @@ class BandSink:
             plan, dtypes, where, writers, pool
         )  # fmt: skip
         self.buffers: dict[int, torch.Tensor] = {}
-        self.slabs: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.taken: dict[int, list[tuple[Box, torch.Tensor]]] = {}
 
     def view(self, part: Piece) -> torch.Tensor:
         """The region of the target's staging buffer that ``part`` fills."""
@@ -82,17 +84,19 @@ class BandSink:
         return buf[part.box.slices_in(t.box)]
 
     def take(self, part: Piece, data: torch.Tensor) -> bool:
-        """Whole-width row slabs are kept as they are (written without a copy)."""
+        """Keep ``data`` where it is when it can be written from there: whole-width
+        contiguous row slabs, or any 2-D piece whose rows are contiguous."""
         t = self.plan.targets[part.target]
         if (
-            part.box.ndim
-            and part.box.offsets[1:] == t.box.offsets[1:]
-            and part.box.sizes[1:] == t.box.sizes[1:]
-            and part.target not in self.buffers
-            and data.dtype == self.dtypes[t.tensor]
-            and data.is_contiguous()
+            not part.box.ndim
+            or part.target in self.buffers
+            or data.dtype != self.dtypes[t.tensor]
+            or data.device.type != "cpu"
         ):
-            self.slabs.setdefault(part.target, []).append((part.box.offsets[0], data))
+            return False
+        slab = part.box.sizes[1:] == t.box.sizes[1:] and data.is_contiguous()
+        if slab or (part.box.ndim == 2 and data.stride(-1) == 1):
+            self.taken.setdefault(part.target, []).append((part.box, data))
             return True
         return False
 
@@ -100,21 +104,26 @@ class BandSink:
         """Every band of the wave is complete: queue them for their files, in file order."""
         targets = self.plan.targets
         for ti in sorted(
-            {*self.buffers, *self.slabs},
+            {*self.buffers, *self.taken},
             key=lambda i: self.where[(targets[i].tensor, targets[i].box)],
         ):
             t = targets[ti]
             fname, offset = self.where[(t.tensor, t.box)]
-            slabs = sorted(self.slabs.pop(ti, []), key=lambda s: s[0])
+            taken = self.taken.pop(ti, [])
             buf = self.buffers.pop(ti, None)
-            if buf is not None:  # a band that also got non-slab parts: assemble it all
-                for row, data in slabs:
-                    buf[row - t.box.offsets[0] : row - t.box.offsets[0] + data.shape[0]] = data
-                self.writers[fname].put(offset, buf, self.pool.give)
-                continue
-            row_bytes = math.prod(t.box.sizes[1:]) * self.dtypes[t.tensor].itemsize
-            for row, data in slabs:
-                self.writers[fname].put(offset + (row - t.box.offsets[0]) * row_bytes, data, None)
+            writer = self.writers[fname]
+            if buf is not None:  # some pieces needed the buffer: assemble the rest there too
+                for box, data in taken:
+                    buf[box.slices_in(t.box)] = data
+                writer.put(offset, buf, self.pool.give)
+            elif all(b.sizes[1:] == t.box.sizes[1:] and d.is_contiguous() for b, d in taken):
+                row_bytes = math.prod(t.box.sizes[1:]) * self.dtypes[t.tensor].itemsize
+                for box, data in sorted(taken, key=lambda p: p[0].offsets[0]):
+                    writer.put(offset + (box.offsets[0] - t.box.offsets[0]) * row_bytes, data, None)
+            else:  # a 2-D band split by columns
+                rel = [(box.relative_to(t.box), data) for box, data in taken]
+                writer.put_band(offset, (t.box.sizes[0], t.box.sizes[1]),
+                                [((b.offsets, b.sizes), d) for b, d in rel])  # fmt: skip
 
 
 class FileWriter:
@@ -130,20 +139,30 @@ class FileWriter:
         self.out = HashingWriter(self.raw, checksum, DEFAULT_BLOCK_SIZE)
         self.out.write(spec.header)
         self.next = len(spec.header)  # offset of the next byte to queue
-        self.pending: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.pending: dict[int, tuple[int, Callable[[], None]]] = {}
 
     def put(
         self, offset: int, data: torch.Tensor, release: Callable[[torch.Tensor], None] | None
     ) -> None:
         """Queue ``data`` for ``offset``; ``release(data)`` once it is on its way to storage."""
-        self.pending[offset] = (data, release)
+        t = data.contiguous()
+        done = functools.partial(release, t) if release is not None else None
+        mv = tensor_bytes(t)
+        self._queue(offset, mv.nbytes, lambda: self.background.submit(self.out, mv, t, done))
+
+    def put_band(
+        self, offset: int, shape: tuple[int, int], pieces: list[tuple[Any, torch.Tensor]]
+    ) -> None:
+        """Queue a 2-D band at ``offset`` given by its pieces (see :class:`BandSink`)."""
+        n = shape[0] * shape[1] * pieces[0][1].element_size()
+        self._queue(offset, n, lambda: self.background.submit_band(self.out, shape, pieces))
+
+    def _queue(self, offset: int, nbytes: int, submit: Callable[[], None]) -> None:
+        self.pending[offset] = (nbytes, submit)
         while self.next in self.pending:
-            t, rel = self.pending.pop(self.next)
-            t = t.contiguous()
-            mv = tensor_bytes(t)
-            done = functools.partial(rel, t) if rel is not None else None
-            self.background.submit(self.out, mv, keep=t, done=done)
-            self.next += mv.nbytes
+            n, go = self.pending.pop(self.next)
+            go()
+            self.next += n
 
     def close(self) -> list[Any]:
         if self.pending or self.out.size != self.spec.size:
