@@ -10,6 +10,7 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     ├── CheckpointError                   the checkpoint on storage is not usable
     │   ├── NotACheckpointError           no committed index at that URI
     │   ├── TargetExistsError             a save would replace a checkpoint (no overwrite)
+    │   ├── TargetBusyError               another run holds the target's lease
     │   ├── UnsupportedFormatError        unknown format version
     │   ├── CorruptCheckpointError        malformed file, bad header, bad block table
     │   │   └── ChecksumError             bytes read fail their CRC32C (file, range, values)
@@ -41,6 +42,7 @@ __all__ = [
     "ReshardError",
     "StateDictError",
     "StorageError",
+    "TargetBusyError",
     "TargetExistsError",
     "TransferAbortedError",
     "TransferError",
@@ -85,6 +87,15 @@ class NotACheckpointError(CheckpointError):
 
 class TargetExistsError(CheckpointError):
     """The target holds a committed checkpoint and ``overwrite`` was not given."""
+
+
+class TargetBusyError(CheckpointError):
+    """Another run holds the target's lease (a save or convert in progress); ``holder``
+    says who (its job or host and pid) and ``age`` how long it has run (seconds)."""
+
+    def __init__(self, message: str, *, holder: str = "", age: float = 0.0) -> None:
+        super().__init__(message)
+        self.holder, self.age = holder, age
 
 
 class UnsupportedFormatError(CheckpointError):

@@ -48,8 +48,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)  # long lines are not broken (logs, pipes)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _version(value: bool) -> None:

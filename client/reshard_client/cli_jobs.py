@@ -76,6 +76,8 @@ def _print_job(job: Any, as_json: bool) -> None:
         f"{p.tensors_done}/{p.tensors_total} tensors; attempts {job.attempts}",
         highlight=False,
     )
+    if job.reason:
+        out.print(f"  waiting: {job.reason}", highlight=False)
     if job.error:
         out.print(f"  [red]error:[/] {job.error}", highlight=False)
 
@@ -176,8 +178,9 @@ def jobs(
     for j in page.items:
         p = j.progress
         pct = f"{100 * p.bytes_done / p.bytes_total:.0f}%" if p.bytes_total else "-"
+        state = f"{j.state.value} ({j.reason})" if j.reason else j.state.value
         table.add_row(
-            j.id, j.state.value, pct, j.source, j.target, j.created_at.strftime("%Y-%m-%d %H:%M:%S")
+            j.id, state, pct, j.source, j.target, j.created_at.strftime("%Y-%m-%d %H:%M:%S")
         )
     out.print(table)
 

@@ -46,7 +46,8 @@ def read_bands(storage: Storage, ranges: list[tuple[str, int, int]]) -> list[tor
         out = []
         for name, start, end in ranges:
             buf = torch.empty(end - start, dtype=torch.uint8)
-            storage.read_into(name, start, memoryview(buf.numpy()))  # type: ignore[arg-type]
+            with storage.positional(name) as readv:
+                readv(start, [memoryview(buf.numpy())])  # type: ignore[arg-type]
             out.append(buf)
         return out
     with warnings.catch_warnings():
@@ -239,7 +240,8 @@ class StorageSource:
         file = _file(r)
         table = self.checked.tables.get(file)
         if table is None:
-            self.storage.read_runs(file, r.begin, runs)
+            with self.storage.positional(file) as readv:
+                readv(r.begin, runs)
             self._plain += r.nbytes
             return view
         done = self.checked.done.setdefault(file, set())

@@ -15,14 +15,16 @@ from typing import Any
 import fsspec.utils
 
 from reshard_svc.errors import StorageError
-from reshard_svc.storage.base import COMMIT_FILE, Storage
+from reshard_svc.storage.base import COMMIT_FILE, Committer, LeaseStore, Storage
 from reshard_svc.storage.fsspec_store import FsspecStorage
 from reshard_svc.storage.local import LocalStorage
 from reshard_svc.storage.s3 import S3Storage
 
 __all__ = [
     "COMMIT_FILE",
+    "Committer",
     "FsspecStorage",
+    "LeaseStore",
     "LocalStorage",
     "S3Storage",
     "Storage",

@@ -1,32 +1,47 @@
-"""The storage protocol: a checkpoint folder addressed by a URI, files by relative name.
+"""Three small protocols over a checkpoint folder addressed by a URI, each for its callers.
 
-Reads are ranged; writes stream. Backends translate their failures into
-:class:`~reshard_svc.errors.StorageError` (``MissingFileError`` for absent files) with the
-original exception as ``__cause__``.
+* :class:`Storage` — bytes: files by relative name, ranged reads, streamed writes. Every
+  rank uses it.
+* :class:`Committer` — publishing a folder atomically (called by the coordinator only,
+  while it holds the target's lease):
 
-Commit protocol (called by the coordinator only, after every rank has written):
+  - ``check_target(overwrite)`` refuses to replace a committed checkpoint without
+    ``overwrite`` (and, locally, to write into a folder that is not a checkpoint);
+  - ``staging(token)`` is the :class:`Storage` every rank writes data files into;
+  - ``commit(staging, index_bytes, replaced)`` makes the checkpoint visible in one step:
+    the index (:data:`COMMIT_FILE`) is written last, so a crash before it leaves nothing a
+    reader accepts. Of the replaced checkpoint only its own files (``replaced``) go;
+  - ``abort(staging)`` drops what a failed run wrote;
+  - ``runs()`` and ``collect_run(...)`` find and clean up what dead runs left.
 
-* ``check_target(index_name, overwrite)`` — refuse to replace a committed checkpoint
-  without ``overwrite`` (and, locally, to write into a folder that is not a checkpoint);
-* ``staging(token)`` — the :class:`Storage` every rank writes data files into;
-* ``commit(staging, index_name, index_bytes, replaced)`` — make the checkpoint visible in
-  one step: the index is written last, so a crash before it leaves nothing a reader
-  accepts. Of the replaced checkpoint only its own files (``replaced``) go; any other file
-  in the folder stays;
-* ``abort(staging)`` — drop what a failed save wrote.
+* :class:`LeaseStore` — one owner per target: a small record beside the target, created
+  atomically (an exclusive create locally, ``If-None-Match: *`` on S3), renewed and
+  replaced only by compare-and-swap on its ``version``, so two runs can never both
+  believe they hold it (:mod:`reshard_svc.storage.leases`).
 
-Leases (see :mod:`reshard_svc.format.collect`): every run keeps a small JSON record beside the target
-(``write_lease`` / ``remove_lease`` / ``read_leases``) renewed by a heartbeat, so a later
-run or ``reshard gc`` can tell a dead run's leftovers (``collect_run``) from a live one's.
+Backends implement all three; callers are typed against the one they use. Backends
+translate their failures into :class:`~reshard_svc.errors.StorageError`
+(``MissingFileError`` for absent files) with the original exception as ``__cause__``.
+Nothing here knows what the files mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from typing import IO, Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import IO, Protocol, runtime_checkable
 
-__all__ = ["COMMIT_FILE", "Storage"]
+__all__ = [
+    "COMMIT_FILE",
+    "CollectReport",
+    "Committer",
+    "LeaseHeld",
+    "LeaseLost",
+    "LeaseState",
+    "LeaseStore",
+    "Storage",
+]
 
 #: The file whose presence commits a checkpoint folder (written last; the format layer
 #: calls it ``INDEX_NAME``). Storage only needs its name, never its contents.
@@ -39,15 +54,15 @@ class Storage(Protocol):
 
     uri: str
     #: fsspec options the storage was opened with (endpoint, credentials, retries)
-    storage_options: dict[str, Any]
+    storage_options: dict[str, object]
     #: File names inside a staging area carry this suffix before ``.safetensors`` so a
     #: save into an object store never overwrites the files of the committed checkpoint.
     file_suffix: str
-    #: Capabilities the runtime plans with. ``local_files``: files live on a local
-    #: filesystem (read-only memory maps of the page cache, reads straight into place,
-    #: commit by rename); otherwise reads are ranged requests and the index is the commit.
+    #: ``local_files``: files live on a local filesystem (read-only memory maps of the
+    #: page cache, reads straight into place, commit by rename); otherwise reads are
+    #: ranged requests and the index is the commit. ``latency_s`` and ``bandwidth`` are
+    #: the cost model's inputs for reads from this storage.
     local_files: bool
-    #: The cost model's inputs for reads from this storage: seconds per request, bytes/s.
     latency_s: float
     bandwidth: float
 
@@ -55,14 +70,14 @@ class Storage(Protocol):
 
     def size(self, name: str) -> int: ...
 
+    def sizes(self) -> dict[str, int]:
+        """File name -> size of every file in the folder (one listing)."""
+        ...
+
     def listdir(self) -> list[str]: ...
 
     def root_kind(self) -> str:
         """``folder``, ``file`` or ``missing``: what the URI itself names."""
-        ...
-
-    def sizes(self) -> dict[str, int]:
-        """File name -> size of every file in the folder (one listing)."""
         ...
 
     def read(self, name: str) -> bytes: ...
@@ -76,19 +91,12 @@ class Storage(Protocol):
         (a read-only memory map of a local file); a short file raises CorruptCheckpointError."""
         ...
 
-    def read_into(self, name: str, start: int, out: memoryview) -> None:
-        """Fill ``out`` with the file's bytes from ``start`` (exactly ``len(out)`` bytes)."""
-        ...
-
-    def read_runs(self, name: str, start: int, runs: Sequence[memoryview]) -> None:
-        """Fill writable byte buffers ``runs``, in order, from consecutive bytes at ``start``
-        (locally one ``preadv``: the bytes land in place)."""
-        ...
-
     def positional(
         self, name: str
     ) -> AbstractContextManager[Callable[[int, Sequence[memoryview]], None]]:
-        """The file held open for many reads: ``readv(start, runs)`` as :meth:`read_runs`."""
+        """The file held open for many reads: ``readv(start, runs)`` fills writable
+        buffers ``runs``, in order, from consecutive bytes at ``start`` (locally one
+        ``preadv``: the bytes land in place)."""
         ...
 
     def open_write(self, name: str) -> IO[bytes]: ...
@@ -97,50 +105,111 @@ class Storage(Protocol):
 
     def remove(self, name: str) -> None: ...
 
-    def check_target(self, index_name: str, overwrite: bool = False) -> None:
+
+@dataclass
+class CollectReport:
+    """What cleaning up dead runs did (or, in a dry run, would do), path by path."""
+
+    removed: list[str] = field(default_factory=list)
+    rolled_forward: list[str] = field(default_factory=list)
+    rolled_back: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+
+
+@runtime_checkable
+class Committer(Protocol):
+    """Publishing a checkpoint folder atomically; the coordinator calls it, holding the
+    target's lease (so no two runs ever commit at once)."""
+
+    def check_target(self, overwrite: bool = False) -> None:
         """Raise TargetExistsError for a committed checkpoint unless ``overwrite``, and
         refuse a target where saving could destroy something that is not a checkpoint."""
         ...
 
     def staging(self, token: str) -> Storage: ...
 
-    def commit(
-        self,
-        staging: Any,
-        index_name: str,
-        index_bytes: bytes,
-        replaced: Collection[str] = (),
-    ) -> None:
+    def commit(self, staging: Storage, index_bytes: bytes, replaced: Collection[str] = ()) -> None:
         """Publish ``staging`` with its index; of the old checkpoint, only the files in
         ``replaced`` (its index and data files) may be removed."""
         ...
 
-    def abort(self, staging: Any) -> None: ...
+    def abort(self, staging: Storage) -> None: ...
 
     def pending(self, token: str) -> bool:
         """Whether run ``token`` left something ``collect_run`` must still finish."""
         ...
 
-    # ---- leases and garbage collection (reshard_svc.format.collect)
-
-    def lease_path(self, token: str) -> str: ...
-
-    def write_lease(self, token: str, data: bytes) -> None: ...
-
-    def remove_lease(self, token: str) -> None: ...
-
-    def read_leases(self) -> dict[str, bytes]:
-        """Token -> lease record of every run that holds a lease on this target."""
-        ...
-
-    def orphan_tokens(self) -> list[str]:
-        """Runs whose leftovers are known to be reshard's without a lease (by name)."""
+    def runs(self) -> set[str]:
+        """Tokens (or their 12-character prefixes) of the runs that left staging data or
+        an unfinished commit beside or in this target, known by the names only reshard
+        writes."""
         ...
 
     def collect_run(
-        self, token: str, replaced: set[str] | None, current: set[str], report: Any,
+        self,
+        token: str,
+        replaced: set[str] | None,
+        current: set[str],
+        report: CollectReport,
+        *,
+        owner: bool,
         dry_run: bool,
-    ) -> None:  # fmt: skip
-        """Clean up after dead run ``token``: finish or roll back its commit, drop its
-        uncommitted data; record each step in ``report``."""
+    ) -> None:
+        """Clean up after dead run ``token``. ``owner``: it held the target's lease at its
+        end, so a commit it decided is finished (rolled forward); a run that was not the
+        owner is never rolled forward: its files are removed or left outside the target.
+        ``current`` names the committed checkpoint's files (never removed)."""
+        ...
+
+
+class LeaseHeld(Exception):
+    """The lease exists already: ``state`` is what holds it."""
+
+    def __init__(self, state: LeaseState) -> None:
+        super().__init__("the lease is held")
+        self.state = state
+
+
+class LeaseLost(Exception):
+    """The lease is no longer the version this run knew (another run replaced it)."""
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """The lease record as stored: its bytes, its version (what a compare-and-swap
+    compares) and when the store last saw it written (None when it cannot say)."""
+
+    record: bytes
+    version: str
+    modified: float | None = None
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """One lease per target, changed only by compare-and-swap on its version."""
+
+    def lease_path(self) -> str:
+        """Where the lease record lives (for messages)."""
+        ...
+
+    def create_lease(self, record: bytes, token: str) -> str:
+        """Create the lease atomically (only if none exists); returns its version. Raises
+        :class:`LeaseHeld` with the current record when one exists."""
+        ...
+
+    def read_lease(self) -> LeaseState | None: ...
+
+    def renew_lease(self, version: str, record: bytes) -> str:
+        """Mark the lease alive again (``record`` may update it); returns the version.
+        Raises :class:`LeaseLost` when it is no longer ``version``."""
+        ...
+
+    def replace_lease(self, version: str, record: bytes, token: str) -> str:
+        """Take over a stale lease: replace it with ``record`` only if it is still
+        ``version`` (one contender wins); returns the new version, or raises
+        :class:`LeaseLost`."""
+        ...
+
+    def drop_lease(self, version: str) -> None:
+        """Remove the lease if it is still ``version`` (never another run's)."""
         ...

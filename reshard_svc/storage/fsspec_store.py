@@ -3,15 +3,23 @@
 Object stores have no rename, so a save writes its data files next to the committed ones
 under names made unique by the save token, and the index goes last: until it is written
 the previous checkpoint (its index and its files) stays whole and readable.
+
+The lease is ``.reshard-lease.json`` in the folder. A generic fsspec store has no
+conditional write, so its lease is best effort (create if absent, then read back; a
+compare-and-swap reads, compares, writes); ``memory://`` does that under a process-wide
+lock (its files live in this process), and S3 overrides it with conditional requests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
+import re
+import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import IO, Any
 
@@ -25,17 +33,19 @@ from reshard_svc.errors import (
     TargetExistsError,
 )
 from reshard_svc.storage.base import COMMIT_FILE as INDEX_FILE
+from reshard_svc.storage.base import CollectReport, LeaseHeld, LeaseLost, LeaseState
 
 __all__ = ["FsspecStorage", "translate_errors"]
 
 logger = logging.getLogger(__name__)
 
-#: Lease records (reshard_svc.format.collect) are files named ``<LEASE_PREFIX><token>.json``.
-LEASE_PREFIX = ".reshard-lease-"
-
-
+#: The lease record's name inside the folder.
+LEASE_NAME = ".reshard-lease.json"
 #: What data files of a checkpoint are called (tensors; opaque items).
 DATA_EXTENSIONS = (".safetensors", ".bin")
+#: A data file written by a run: the names reshard gives them, with the run's suffix.
+_RUN_FILE = re.compile(r"^(?:shard-\d{5}-\d{3}|opaque)-([0-9a-f]{12})\.(?:safetensors|bin)$")
+_MEMORY_LEASES = threading.Lock()
 
 
 def _staged(name: str, suffix: str) -> bool:
@@ -48,7 +58,7 @@ def translate_errors(op: str, where: str) -> Iterator[None]:
     """Re-raise backend failures as StorageError (MissingFileError when absent)."""
     try:
         yield
-    except ReshardError:
+    except (ReshardError, LeaseHeld, LeaseLost):
         raise
     except FileNotFoundError as e:
         raise MissingFileError(f"{op} {where}: no such file") from e
@@ -152,10 +162,6 @@ class FsspecStorage:
         (data,) = self.read_ranges([(name, start, end)])
         return data
 
-    def read_into(self, name: str, start: int, out: memoryview) -> None:
-        (data,) = self.read_ranges([(name, start, start + out.nbytes)])
-        out[:] = data
-
     def root_kind(self) -> str:
         """``folder``, ``file`` or ``missing``: what the URI itself names."""
         with translate_errors("stat", self.root):
@@ -163,8 +169,7 @@ class FsspecStorage:
                 return "file"
             return "folder" if self.fs.exists(self.root) else "missing"
 
-    def read_runs(self, name: str, start: int, runs: Sequence[memoryview]) -> None:
-        """Fill ``runs`` (in order) from consecutive bytes at ``start``: one ranged read."""
+    def _read_runs(self, name: str, start: int, runs: Sequence[memoryview]) -> None:
         total = sum(r.nbytes for r in runs)
         data = self.read_view(name, start, start + total)
         at = 0
@@ -174,8 +179,9 @@ class FsspecStorage:
 
     @contextlib.contextmanager
     def positional(self, name: str) -> Iterator[Callable[[int, Sequence[memoryview]], None]]:
-        """Many reads of one file: ``readv(start, runs)``, one ranged read each."""
-        yield functools.partial(self.read_runs, name)
+        """Many reads of one file: ``readv(start, runs)`` fills ``runs`` (in order) from
+        consecutive bytes at ``start``, one ranged read each."""
+        yield functools.partial(self._read_runs, name)
 
     def open_write(self, name: str) -> IO[bytes]:
         with translate_errors("write", self.path(name)):
@@ -192,12 +198,12 @@ class FsspecStorage:
             except FileNotFoundError:
                 pass
 
-    # ---- commit protocol
+    # ---- commit protocol (Committer)
 
-    def check_target(self, index_name: str, overwrite: bool = False) -> None:
+    def check_target(self, overwrite: bool = False) -> None:
         """Refuse to replace a committed checkpoint unless ``overwrite``. Nothing else to
         refuse: a save here only adds files and never deletes foreign ones."""
-        if not overwrite and self.exists(index_name):
+        if not overwrite and self.exists(INDEX_FILE):
             raise TargetExistsError(
                 f"{self.uri} already holds a committed checkpoint; pass overwrite=True "
                 '(--overwrite, "overwrite": true) to replace it, or pick a new target'
@@ -213,20 +219,14 @@ class FsspecStorage:
             _root=self.root,
         )
 
-    def commit(
-        self,
-        staging: Any,
-        index_name: str,
-        index_bytes: bytes,
-        replaced: Collection[str] = (),
-    ) -> None:
+    def commit(self, staging: Any, index_bytes: bytes, replaced: Collection[str] = ()) -> None:
         """The index is the commit: one PUT, after every data file is complete. Then the
         data files of the ``replaced`` checkpoint that the new index does not name go."""
         try:
-            self.write(index_name, index_bytes)
+            self.write(INDEX_FILE, index_bytes)
         except StorageError:
             # A PUT whose answer was lost may still have taken effect.
-            if not self._holds(index_name, index_bytes):
+            if not self._holds(INDEX_FILE, index_bytes):
                 raise
         new = set(json.loads(index_bytes).get("files", {}))
         for name in sorted(replaced):
@@ -246,7 +246,6 @@ class FsspecStorage:
             return False
 
     def pending(self, token: str) -> bool:
-        """Whether a run left something ``collect`` must still finish."""
         return self._leftovers
 
     def abort(self, staging: Any) -> None:
@@ -260,49 +259,88 @@ class FsspecStorage:
 
     def _holds_suffix(self, suffix: str) -> bool:
         """Whether the committed index names files of this run (then it is committed)."""
+        return any(_staged(n, suffix) for n in self._committed_files())
+
+    def _committed_files(self) -> set[str]:
         try:
-            files = json.loads(self.read(INDEX_FILE)).get("files", {})
+            return set(json.loads(self.read(INDEX_FILE)).get("files", {}))
         except (StorageError, ValueError, AttributeError):
-            return False
-        return any(_staged(str(n), suffix) for n in files)
+            return set()
 
-    # ---- leases and garbage collection (see reshard_svc.format.collect)
-
-    def lease_path(self, token: str) -> str:
-        return self.path(f"{LEASE_PREFIX}{token}.json")
-
-    def write_lease(self, token: str, data: bytes) -> None:
-        self.write(f"{LEASE_PREFIX}{token}.json", data)
-
-    def remove_lease(self, token: str) -> None:
-        self.remove(f"{LEASE_PREFIX}{token}.json")
-
-    def read_leases(self) -> dict[str, bytes]:
-        """Token -> lease record of every lease on this folder."""
-        out = {}
-        for name in self.listdir():
-            if name.startswith(LEASE_PREFIX) and name.endswith(".json"):
-                with contextlib.suppress(MissingFileError):  # released meanwhile
-                    out[name[len(LEASE_PREFIX) : -5]] = self.read(name)
-        return out
-
-    def orphan_tokens(self) -> list[str]:
-        """Runs with leftovers but no lease. On object stores, none is ever assumed: a
-        file is only known to be staging data through its run's lease."""
-        return []
+    def runs(self) -> set[str]:
+        """The 12-character token prefixes of runs whose data files are in the folder but
+        not in its committed index (the names only reshard gives its files)."""
+        current = self._committed_files()
+        return {
+            m.group(1) for n in self.listdir() if (m := _RUN_FILE.match(n)) and n not in current
+        }
 
     def collect_run(
-        self, token: str, replaced: set[str] | None, current: set[str], report: Any,
+        self,
+        token: str,
+        replaced: set[str] | None,
+        current: set[str],
+        report: CollectReport,
+        *,
+        owner: bool,
         dry_run: bool,
-    ) -> None:  # fmt: skip
-        """Remove a dead run's files: its uncommitted data files and, if its commit
-        landed (``current`` names its files), the files it replaced."""
+    ) -> None:
+        """Remove a dead run's files: its uncommitted data files and, if it was the owner
+        and its commit landed (``current`` names its files), the files it replaced."""
         suffix = f"-{token[:12]}"
         names = set(self.listdir())
         doomed = {n for n in names if _staged(n, suffix) and n not in current}
-        if replaced and any(_staged(n, suffix) for n in current):
+        if owner and replaced and any(_staged(n, suffix) for n in current):
             doomed |= (replaced & names) - current
         for name in sorted(doomed):
             report.removed.append(self.path(name))
             if not dry_run:
                 self.remove(name)
+
+    # ---- the lease (LeaseStore)
+
+    def lease_path(self) -> str:
+        return self.path(LEASE_NAME)
+
+    def _lease_guard(self) -> contextlib.AbstractContextManager[Any]:
+        """Serialises lease changes where the store lives in this process (memory://)."""
+        return _MEMORY_LEASES if getattr(self.fs, "protocol", None) in ("memory", ("memory",)) \
+            else contextlib.nullcontext()  # fmt: skip
+
+    def create_lease(self, record: bytes, token: str) -> str:
+        with self._lease_guard():
+            state = self.read_lease()
+            if state is not None:
+                raise LeaseHeld(state)
+            self.write(LEASE_NAME, record)
+            state = self.read_lease()
+        if state is None or state.record != record:  # another run wrote at the same time
+            raise LeaseHeld(state or LeaseState(b"", "", None))
+        return state.version
+
+    def read_lease(self) -> LeaseState | None:
+        try:
+            record = self.read(LEASE_NAME)
+        except MissingFileError:
+            return None
+        return LeaseState(record, hashlib.blake2b(record, digest_size=8).hexdigest(), None)
+
+    def renew_lease(self, version: str, record: bytes) -> str:
+        return self._swap(version, record)
+
+    def replace_lease(self, version: str, record: bytes, token: str) -> str:
+        return self._swap(version, record)
+
+    def _swap(self, version: str, record: bytes) -> str:
+        with self._lease_guard():
+            state = self.read_lease()
+            if state is None or state.version != version:
+                raise LeaseLost
+            self.write(LEASE_NAME, record)
+        return hashlib.blake2b(record, digest_size=8).hexdigest()
+
+    def drop_lease(self, version: str) -> None:
+        with self._lease_guard():
+            state = self.read_lease()
+            if state is not None and state.version == version:
+                self.remove(LEASE_NAME)

@@ -17,13 +17,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import io
+import json
 import logging
 import mmap
 import os
 import re
 import shutil
 import sys
+import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import IO, Any
 
@@ -34,6 +37,7 @@ from reshard_svc.errors import (
     UsageError,
 )
 from reshard_svc.storage.base import COMMIT_FILE as INDEX_NAME
+from reshard_svc.storage.base import CollectReport, LeaseHeld, LeaseLost, LeaseState
 from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
 
 __all__ = ["LocalStorage"]
@@ -145,9 +149,6 @@ class LocalStorage(FsspecStorage):
         self.sync_files = sync
         self.root = os.path.abspath(self.root) if self.root else os.getcwd()
 
-    def read_into(self, name: str, start: int, out: memoryview) -> None:
-        self.read_runs(name, start, [out])
-
     def read_view(self, name: str, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` as a read-only memory map of the page cache (no copy).
 
@@ -174,18 +175,12 @@ class LocalStorage(FsspecStorage):
             mapped.madvise(mmap.MADV_SEQUENTIAL)
         return memoryview(mapped)[start - lo :]
 
-    def read_runs(self, name: str, start: int, runs: Sequence[memoryview]) -> None:
-        """Fill ``runs`` (writable buffers, in order) from consecutive bytes at ``start``.
-
-        One ``preadv`` per ``IOV_MAX`` buffers: bytes land straight in their destination
-        (e.g. the rows of a strided tensor view) with no staging copy.
-        """
-        with self.positional(name) as readv:
-            readv(start, runs)
-
     @contextlib.contextmanager
     def positional(self, name: str) -> Iterator[Callable[[int, Sequence[memoryview]], None]]:
-        """The file held open for many :meth:`read_runs`-style reads: ``readv(start, runs)``."""
+        """The file held open for many reads: ``readv(start, runs)`` fills ``runs``
+        (writable buffers, in order) from consecutive bytes at ``start``, one ``preadv``
+        per ``IOV_MAX`` buffers: bytes land straight in their destination (e.g. the rows
+        of a strided tensor view) with no staging copy."""
         path = self.path(name)
         with translate_errors("read", path):
             fd = os.open(path, os.O_RDONLY)
@@ -198,7 +193,8 @@ class LocalStorage(FsspecStorage):
         out = []
         for name, s, e in ranges:
             buf = memoryview(bytearray(e - s))
-            self.read_into(name, s, buf)
+            with self.positional(name) as readv:
+                readv(s, [buf])
             out.append(buf)
         return out
 
@@ -218,17 +214,17 @@ class LocalStorage(FsspecStorage):
                 if self.sync_files:
                     os.fsync(f.fileno())
 
-    # ---- commit protocol
+    # ---- commit protocol (Committer)
 
-    def _sibling(self, kind: str, token: str) -> str:
+    def _sibling(self, kind: str, token: str = "") -> str:
         parent, name = os.path.split(self.root)
-        return os.path.join(parent, f".{name}.{kind}-{token}")
+        return os.path.join(parent, f".{name}.{kind}" + (f"-{token}" if token else ""))
 
-    def check_target(self, index_name: str, overwrite: bool = False) -> None:
+    def check_target(self, overwrite: bool = False) -> None:
         """Refuse to replace a committed checkpoint (unless ``overwrite``), and to write
         into a non-empty folder that is not one."""
         if os.path.isdir(self.root):
-            if os.path.exists(self.path(index_name)):
+            if os.path.exists(self.path(INDEX_NAME)):
                 if not overwrite:
                     raise TargetExistsError(
                         f"{self.root} already holds a committed checkpoint; pass "
@@ -237,7 +233,7 @@ class LocalStorage(FsspecStorage):
                     )
             elif os.listdir(self.root):
                 raise CheckpointError(
-                    f"{self.root} exists and is not a reshard checkpoint (no {index_name}); "
+                    f"{self.root} exists and is not a reshard checkpoint (no {INDEX_NAME}); "
                     "refusing to replace it: pick an empty or new target"
                 )
         elif os.path.exists(self.root):
@@ -246,25 +242,32 @@ class LocalStorage(FsspecStorage):
     def staging(self, token: str) -> LocalStorage:
         return LocalStorage(self._sibling("staging", token), sync_files=self.sync_files)
 
-    def commit(
-        self,
-        staging: Any,
-        index_name: str,
-        index_bytes: bytes,
-        replaced: Collection[str] = (),
-    ) -> None:
+    def commit(self, staging: Any, index_bytes: bytes, replaced: Collection[str] = ()) -> None:
         """Write the index into the staging folder (the commit is now decided), move the
         target's foreign files (those not in ``replaced``) into it, and swap folders."""
-        staging.write(index_name, index_bytes)
+        token = os.path.basename(staging.root).rsplit("staging-", 1)[-1]
+        replaced = set(replaced) | {INDEX_NAME}
+        self._check_clash(staging.root, replaced)  # before anything is decided
+        staging.write(INDEX_NAME, index_bytes)
         if self.sync_files:
             _fsync_dir(staging.root)
-        token = os.path.basename(staging.root).rsplit("staging-", 1)[-1]
-        self.finish_commit(token, set(replaced) | {index_name}, strict=True)
+        self.finish_commit(token, replaced)
 
-    def finish_commit(self, token: str, replaced: set[str] | None, strict: bool) -> list[str]:
-        """Complete a decided commit (also after a crash; idempotent). ``replaced=None``:
-        unknown, so everything in the target moves into the new checkpoint. Returns the
-        paths kept because they could not be placed (never with ``strict``, which raises)."""
+    def _check_clash(self, staging: str, replaced: set[str]) -> None:
+        if not os.path.isdir(self.root):
+            return
+        new = set(os.listdir(staging))
+        clash = sorted(n for n in os.listdir(self.root) if n not in replaced and n in new)
+        if clash:
+            raise CheckpointError(
+                f"{self.root} holds {', '.join(clash[:3])}, which the replaced checkpoint "
+                "does not list but the new one writes: move it away"
+            )
+
+    def finish_commit(self, token: str, replaced: set[str] | None) -> list[str]:
+        """Complete a decided commit (also after a crash; each step may already be done).
+        ``replaced=None``: unknown, so everything in the target moves into the new
+        checkpoint. Returns the paths kept because they could not be placed."""
         staging, old = self._sibling("staging", token), self._sibling("old", token)
         with translate_errors("commit", self.root):
             os.makedirs(os.path.dirname(self.root), exist_ok=True)
@@ -272,15 +275,10 @@ class LocalStorage(FsspecStorage):
                 if os.path.isdir(self.root):
                     new = set(os.listdir(staging))
                     foreign = [n for n in os.listdir(self.root) if n not in (replaced or ())]
-                    clash = sorted(n for n in foreign if n in new)
-                    if clash and strict:
-                        raise CheckpointError(
-                            f"{self.root} holds {', '.join(clash[:3])}, which the replaced "
-                            "checkpoint does not list but the new one writes: move it away"
-                        )
                     for n in foreign:
                         if n not in new:
-                            os.rename(os.path.join(self.root, n), os.path.join(staging, n))
+                            with contextlib.suppress(FileNotFoundError):
+                                os.rename(os.path.join(self.root, n), os.path.join(staging, n))
                     if self.sync_files:
                         _fsync_dir(staging)
                     os.rename(self.root, old)
@@ -297,48 +295,29 @@ class LocalStorage(FsspecStorage):
         if replaced is not None:
             for n in os.listdir(old):
                 if n in replaced:
-                    p = os.path.join(old, n)
-                    if os.path.isdir(p) and not os.path.islink(p):
-                        shutil.rmtree(p, ignore_errors=True)
-                    else:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.remove(p)
+                    _remove(os.path.join(old, n))
             with contextlib.suppress(OSError):
                 os.rmdir(old)
         return [old] if os.path.isdir(old) else []
 
     def abort(self, staging: Any) -> None:
         """Drop uncommitted data. A staging folder that holds the index is a decided
-        commit (it may hold the target's foreign files): ``collect`` finishes it."""
+        commit, stopped mid-swap (it may hold the target's foreign files): it stays for
+        the lease's next holder or ``reshard gc`` to finish."""
         if os.path.isfile(os.path.join(staging.root, INDEX_NAME)):
-            logger.warning("commit into %s did not finish; `reshard gc` completes it", self.root)
+            logger.warning(
+                "the commit into %s stopped half way; the next run into it (or `reshard gc "
+                "%s`) finishes it",
+                self.root, self.root,
+            )  # fmt: skip
             return
         shutil.rmtree(staging.root, ignore_errors=True)
 
     def pending(self, token: str) -> bool:
-        """Whether a run left something ``collect`` must still finish."""
         return any(os.path.exists(self._sibling(k, token)) for k in ("staging", "old"))
 
-    # ---- leases and garbage collection (see reshard_svc.format.collect)
-
-    def lease_path(self, token: str) -> str:
-        return self._sibling("lease", token) + ".json"
-
-    def write_lease(self, token: str, data: bytes) -> None:
-        path = self.lease_path(token)
-        with translate_errors("write", path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # never a torn record
-
-    def remove_lease(self, token: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.lease_path(token))
-
     def _siblings(self) -> dict[str, dict[str, str]]:
-        """token -> {kind: path} of this target's staging / old / lease siblings."""
+        """token -> {kind: path} of this target's staging and old siblings."""
         parent, name = os.path.split(self.root)
         prefix = f".{name}."
         out: dict[str, dict[str, str]] = {}
@@ -350,50 +329,49 @@ class LocalStorage(FsspecStorage):
             if not entry.startswith(prefix):
                 continue
             kind, sep, token = entry[len(prefix) :].partition("-")
-            if kind == "lease" and token.endswith(".json"):
-                token = token[:-5]
-            elif kind not in ("staging", "old"):
-                continue
-            if sep and _TOKEN.fullmatch(token):
+            if kind in ("staging", "old") and sep and _TOKEN.fullmatch(token):
                 out.setdefault(token, {})[kind] = os.path.join(parent, entry)
         return out
 
-    def read_leases(self) -> dict[str, bytes]:
-        out = {}
-        for token, kinds in self._siblings().items():
-            if "lease" in kinds:
-                with contextlib.suppress(FileNotFoundError):
-                    with open(kinds["lease"], "rb") as f:
-                        out[token] = f.read()
-        return out
-
-    def orphan_tokens(self) -> list[str]:
-        """Runs with a staging or old folder (names only reshard writes) and no lease."""
-        return [t for t, kinds in self._siblings().items() if "lease" not in kinds]
+    def runs(self) -> set[str]:
+        """Runs with a staging or old folder beside the target (names only reshard writes)."""
+        return set(self._siblings())
 
     def collect_run(
-        self, token: str, replaced: set[str] | None, current: set[str], report: Any,
+        self,
+        token: str,
+        replaced: set[str] | None,
+        current: set[str],
+        report: CollectReport,
+        *,
+        owner: bool,
         dry_run: bool,
-    ) -> None:  # fmt: skip
-        """Finish a decided commit, drop uncommitted data, roll back a half-swapped one."""
+    ) -> None:
+        """The owner's decided commit is finished; anyone else's staging data is removed
+        (of a decided one, only the files its index names); a half-swapped commit is
+        rolled back."""
         del current  # a local commit is one folder swap: its state is on disk
         staging, old = self._sibling("staging", token), self._sibling("old", token)
         decided = os.path.isfile(os.path.join(staging, INDEX_NAME))
-        if decided:
+        if decided and owner:
             report.rolled_forward.append(staging)
             if not dry_run:
-                report.kept += self.finish_commit(token, replaced, strict=False)
+                report.kept += self.finish_commit(token, replaced)
             return
         if os.path.isdir(staging):
-            report.removed.append(staging)
-            if not dry_run:
-                shutil.rmtree(staging, ignore_errors=True)
+            if decided:  # not the owner's: never published, never moved in
+                kept = _remove_listed(staging, dry_run)
+                (report.kept if kept else report.removed).append(staging)
+            else:
+                report.removed.append(staging)
+                if not dry_run:
+                    shutil.rmtree(staging, ignore_errors=True)
         if os.path.isdir(old):
             if os.path.exists(self.root):  # the swap finished; only the cleanup did not
                 if dry_run:
                     report.removed.append(old)
                 else:
-                    kept = self._drop_old(old, replaced)
+                    kept = self._drop_old(old, replaced if owner else None)
                     report.kept += kept
                     if not kept:
                         report.removed.append(old)
@@ -402,6 +380,125 @@ class LocalStorage(FsspecStorage):
                 if not dry_run:
                     with translate_errors("roll back", self.root):
                         os.rename(old, self.root)
+
+    # ---- the lease (LeaseStore): an exclusive create beside the target
+
+    def lease_path(self) -> str:
+        return self._sibling("lease") + ".json"
+
+    def create_lease(self, record: bytes, token: str) -> str:
+        path = self.lease_path()
+        with translate_errors("create the lease", path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            for _ in range(3):
+                try:
+                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    state = self.read_lease()
+                    if state is not None:
+                        raise LeaseHeld(state) from None
+                    continue  # released meanwhile: try again
+                with os.fdopen(fd, "wb") as f:
+                    f.write(record)
+                return _version(os.stat(path).st_ino, record)
+        raise LeaseHeld(LeaseState(b"", "", None))
+
+    def read_lease(self) -> LeaseState | None:
+        return _read_lease(self.lease_path())
+
+    def renew_lease(self, version: str, record: bytes) -> str:
+        path = self.lease_path()
+        with translate_errors("renew the lease", path):
+            state = _read_lease(path)
+            if state is None or state.version != version:
+                raise LeaseLost
+            if state.record == record:
+                os.utime(path)  # the mtime says it is alive
+                return version
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(record)
+            os.replace(tmp, path)  # never a torn record
+            return _version(os.stat(path).st_ino, record)
+
+    def replace_lease(self, version: str, record: bytes, token: str) -> str:
+        """Compare-and-swap by rename: of several contenders renaming the stale lease
+        aside, one succeeds; it checks that what it moved is the version it judged stale
+        (else puts it back) and creates its own."""
+        path = self.lease_path()
+        aside = f"{path}.taken-{token}"
+        with translate_errors("take over the lease", path):
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                raise LeaseLost from None
+            moved = _read_lease(aside)
+            if moved is None or moved.version != version:
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, path)  # not the one judged stale: put it back
+                _remove(aside)
+                raise LeaseLost
+            _remove(aside)
+        try:
+            return self.create_lease(record, token)
+        except LeaseHeld:
+            raise LeaseLost from None
+
+    def drop_lease(self, version: str) -> None:
+        path = self.lease_path()
+        aside = f"{path}.drop-{uuid.uuid4().hex}"
+        with translate_errors("remove the lease", path):
+            try:
+                os.rename(path, aside)
+            except FileNotFoundError:
+                return
+            moved = _read_lease(aside)
+            if moved is not None and moved.version != version:
+                with contextlib.suppress(FileExistsError):
+                    os.link(aside, path)  # another run's: put it back
+            _remove(aside)
+
+
+def _version(inode: int, record: bytes) -> str:
+    return f"{inode}-{hashlib.blake2b(record, digest_size=8).hexdigest()}"
+
+
+def _read_lease(path: str) -> LeaseState | None:
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            record = f.read()
+    except FileNotFoundError:
+        return None
+    return LeaseState(record, _version(st.st_ino, record), st.st_mtime)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _remove_listed(staging: str, dry_run: bool) -> bool:
+    """Remove a decided staging folder's index and the files it names; True when other
+    files are left in it (kept: they are not known to be ours)."""
+    try:
+        with open(os.path.join(staging, INDEX_NAME), "rb") as f:
+            listed = set(json.loads(f.read()).get("files", {}))
+    except (OSError, ValueError, AttributeError):
+        listed = set()
+    listed.add(INDEX_NAME)
+    others = [n for n in os.listdir(staging) if n not in listed]
+    if not dry_run:
+        for n in os.listdir(staging):
+            if n in listed:
+                _remove(os.path.join(staging, n))
+        if not others:
+            with contextlib.suppress(OSError):
+                os.rmdir(staging)
+    return bool(others)
 
 
 def _preadv_all(fd: int, path: str, start: int, runs: Sequence[memoryview]) -> None:

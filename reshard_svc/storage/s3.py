@@ -1,4 +1,5 @@
-"""S3 (s3fs): uploads that carry their CRC32C, so the store rejects a corrupted upload.
+"""S3 (s3fs): uploads that carry their CRC32C, so the store rejects a corrupted upload, and
+a lease changed only by conditional requests.
 
 Every ``PutObject`` and every ``UploadPart`` sends ``x-amz-checksum-crc32c`` with the CRC32C
 of exactly the bytes sent (multipart uploads are created with ``ChecksumAlgorithm=CRC32C``
@@ -6,6 +7,11 @@ and completed with each part's checksum). S3 recomputes it and refuses the reque
 mismatch. s3fs's own writer cannot do this: it passes no per-part checksum, and S3 then
 refuses to complete a CRC32C multipart upload. So this module drives the multipart upload
 itself through s3fs's ``call_s3`` (same client, credentials and endpoint settings).
+
+The lease (``.reshard-lease.json`` in the folder) is created with ``If-None-Match: *``
+(S3 has refused a second create with 412 since 2024), renewed and taken over with
+``If-Match: <ETag>``, and deleted with ``If-Match`` too: two runs can never both hold it.
+A request whose answer was lost is settled by reading the lease back.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from typing import IO, Any, cast
 
 import crc32c
 
-from reshard_svc.errors import StorageError
-from reshard_svc.storage.fsspec_store import FsspecStorage, translate_errors
+from reshard_svc.errors import MissingFileError, StorageError
+from reshard_svc.storage.base import LeaseHeld, LeaseLost, LeaseState
+from reshard_svc.storage.fsspec_store import LEASE_NAME, FsspecStorage, translate_errors
 
 __all__ = ["S3ChecksumWriter", "S3Storage", "crc32c_b64"]
 
@@ -185,3 +192,93 @@ class S3Storage(FsspecStorage):
     def write(self, name: str, data: bytes) -> None:
         with S3ChecksumWriter(self.fs, self.path(name)) as w:
             w.write(data)
+
+    # ---- the lease, by conditional requests
+
+    def _lease_key(self) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(self.path(LEASE_NAME))
+        return bucket, key
+
+    def read_lease(self) -> LeaseState | None:
+        bucket, key = self._lease_key()
+        try:
+            with translate_errors("read the lease", self.lease_path()):
+                out = self.fs.call_s3("get_object", Bucket=bucket, Key=key)
+                body = out["Body"]
+                record = _read_body(self.fs, body)
+        except MissingFileError:
+            return None
+        modified = out.get("LastModified")
+        return LeaseState(record, str(out["ETag"]).strip('"'),
+                          modified.timestamp() if modified is not None else None)  # fmt: skip
+
+    def _put(self, record: bytes, **condition: str) -> str | None:
+        """PUT the lease under ``condition``; its ETag, or None when the condition failed."""
+        bucket, key = self._lease_key()
+        try:
+            out = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=record,
+                                  ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c_b64(record),
+                                  **condition)  # fmt: skip
+        except (FileExistsError, OSError) as e:
+            if not _precondition_failed(e):
+                raise StorageError(f"write the lease {self.lease_path()}: {e}") from e
+            return None
+        return str(out["ETag"]).strip('"')
+
+    def _settle(self, record: bytes) -> str | None:
+        """After a refused conditional PUT: if the lease holds exactly ``record``, an
+        earlier try of the same request took effect and its answer was lost."""
+        state = self.read_lease()
+        return state.version if state is not None and state.record == record else None
+
+    def create_lease(self, record: bytes, token: str) -> str:
+        etag = self._put(record, IfNoneMatch="*") or self._settle(record)
+        if etag is None:
+            state = self.read_lease()
+            raise LeaseHeld(state or LeaseState(b"", "", None))
+        return etag
+
+    def renew_lease(self, version: str, record: bytes) -> str:
+        etag = self._put(record, IfMatch=version) or self._settle(record)
+        if etag is None:
+            raise LeaseLost
+        return etag
+
+    def replace_lease(self, version: str, record: bytes, token: str) -> str:
+        return self.renew_lease(version, record)
+
+    def drop_lease(self, version: str) -> None:
+        bucket, key = self._lease_key()
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+        except (FileNotFoundError, OSError) as e:
+            if isinstance(e, FileNotFoundError) or _precondition_failed(e):
+                return  # gone already, or another run's now
+            raise StorageError(f"remove the lease {self.lease_path()}: {e}") from e
+        finally:
+            self.fs.invalidate_cache(self.path(LEASE_NAME))
+
+
+def _read_body(fs: Any, body: Any) -> bytes:
+    read = getattr(body, "read", None)
+    if read is None:
+        return bytes(body)
+    data = read()
+    if hasattr(data, "__await__"):  # aiobotocore streams are read on s3fs's loop
+        from fsspec.asyn import sync
+
+        return bytes(sync(fs.loop, _awaited, data))
+    return bytes(data)
+
+
+async def _awaited(data: Any) -> Any:
+    return await data
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """A 412: the condition of a conditional request did not hold (s3fs raises
+    FileExistsError for If-None-Match and an EINVAL OSError for If-Match)."""
+    if isinstance(e, FileExistsError):
+        return True
+    text = f"{e} {e.__cause__!r}"
+    return "PreconditionFailed" in text or "412" in text or "At least one of the pre" in text

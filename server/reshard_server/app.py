@@ -13,10 +13,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reshard_server.api.routes import checkpoints, health, jobs
 from reshard_server.config import Settings
-from reshard_server.db import JobStore
+from reshard_server.db import JobStore, ServerLock
 from reshard_server.jobs import JobManager
 from reshard_server.launcher import Launcher, make_launcher
 from reshard_server.metrics import Metrics
+from reshard_svc._version import __version__
 
 __all__ = ["create_app"]
 
@@ -79,29 +80,36 @@ class CountRequests:
         await self.app(scope, receive, counted)
 
 
-def create_app(settings: Settings | None = None, launcher: Launcher | None = None) -> FastAPI:
-    """Build the app. Jobs persist in ``settings.db``; workers start through ``launcher``."""
+def create_app(
+    settings: Settings | None = None,
+    launcher: Launcher | None = None,
+    lock: ServerLock | None = None,
+) -> FastAPI:
+    """Build the app. Jobs persist in ``settings.db``, under the database's lock (``lock``,
+    or taken at start-up); workers start through ``launcher``."""
     settings = settings or Settings()
     # Inspecting DCP checkpoints in this process follows the same pickle policy as jobs.
     os.environ["RESHARD_ALLOW_DCP_PICKLE"] = "1" if settings.allow_dcp_pickle else "0"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        held = lock or ServerLock(settings.db)  # before any job is read
         store = JobStore(settings.db)
         manager = JobManager(settings, store, launcher or make_launcher(settings))
         app.state.store, app.state.manager = store, manager
-        manager.start()
+        manager.start()  # re-attaches earlier jobs in the background
         try:
             yield
         finally:
             manager.stop()
             store.close()
+            held.release()
 
     # Swagger UI and ReDoc served from the package (fastapi-offline), not a CDN: /docs
     # works on air-gapped clusters.
     app = FastAPIOffline(
         title="reshard-server",
-        version="0.1.0",
+        version=__version__,
         description="Runs checkpoint conversions (reshard_svc.convert) as jobs on torchrun workers.",
         lifespan=lifespan,
     )

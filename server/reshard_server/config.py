@@ -37,10 +37,10 @@ class Settings(BaseSettings):
         default_factory=lambda: str(state_dir() / "data"),
         description="job logs and progress files",
     )
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_running: int = Field(default=1, ge=1)
-    max_queued: int = Field(default=16, ge=0)
+    host: str = Field(default="127.0.0.1", description="bind address (--host)")
+    port: int = Field(default=8000, description="port (--port)")
+    max_running: int = Field(default=1, ge=1, description="jobs an engine runs (or holds) at once")
+    max_queued: int = Field(default=16, ge=0, description="queued jobs before a submit gets 429")
     max_workers: int = Field(
         default=8, ge=1, description="most workers (nodes x workers_per_node) a job may ask for"
     )
@@ -54,20 +54,24 @@ class Settings(BaseSettings):
         "(default: http://HOST:PORT of the listening socket)",
     )
     # Slurm (RESHARD_LAUNCHER=slurm)
-    slurm_partition: str = ""
-    slurm_account: str = ""
+    slurm_partition: str = Field(default="", description="sbatch --partition")
+    slurm_account: str = Field(default="", description="sbatch --account")
     slurm_time: str = Field(default="", description="sbatch --time, e.g. 02:00:00")
-    slurm_gpus_per_node: int = Field(default=0, ge=0)
+    slurm_gpus_per_node: int = Field(
+        default=0, ge=0, description="sbatch --gpus-per-node (workers then use NCCL)"
+    )
     slurm_extra_args: str = Field(default="", description="more sbatch options, shell-quoted")
     slurm_log_dir: str = Field(
         default="", description="job logs; on storage the server can read (default DATA_DIR/slurm)"
     )
     # Kubernetes (RESHARD_LAUNCHER=kubernetes)
-    k8s_namespace: str = "default"
+    k8s_namespace: str = Field(default="default", description="where TrainJobs go")
     k8s_image: str = Field(default="", description="worker image with reshard-svc installed")
     k8s_runtime: str = Field(default="torch-distributed", description="ClusterTrainingRuntime")
-    k8s_gpus_per_node: int = Field(default=0, ge=0)
-    k8s_service_account: str = ""
+    k8s_gpus_per_node: int = Field(
+        default=0, ge=0, description="resourcesPerNode nvidia.com/gpu of each node pod"
+    )
+    k8s_service_account: str = Field(default="", description="the node pods' ServiceAccount")
     k8s_storage_secret: str = Field(
         default="", description="Secret whose keys become the workers' storage credentials"
     )
@@ -82,14 +86,22 @@ class Settings(BaseSettings):
         ],  # fmt: skip
         description="keys of the storage Secret passed to workers (missing ones are skipped)",
     )
-    max_body_bytes: int = Field(default=64 * 1024, ge=1024)
-    cancel_grace_s: float = Field(default=10.0, ge=0)
+    max_body_bytes: int = Field(default=64 * 1024, ge=1024, description="request body limit (413)")
+    cancel_grace_s: float = Field(
+        default=10.0, ge=0, description="seconds from SIGTERM to SIGKILL when cancelling"
+    )
+    pending_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="fail a job its engine keeps waiting for a reason that cannot resolve by "
+        "itself (a request larger than the partition or cluster) after this many seconds",
+    )
     max_retries: int = Field(default=2, ge=0, description="re-queues after a server restart")
     allow_dcp_pickle: bool = Field(
         default=False, description="let jobs read torch DCP .distcp (pickled metadata)"
     )
     worker_python: str = Field(default="", description="python for workers (default: this one)")
-    poll_interval_s: float = Field(default=0.2, gt=0)
+    poll_interval_s: float = Field(default=0.2, gt=0, description="how often engines are asked")
 
     @field_validator("roots", "k8s_secret_keys", mode="before")
     @classmethod

@@ -1,9 +1,16 @@
-"""Jobs in SQLite (WAL). Every write commits before the API replies."""
+"""Jobs in SQLite (WAL). Every write commits before the API replies.
+
+One server per database: :class:`ServerLock` is an exclusive ``flock`` on ``<db>.lock``
+taken before any job is read; it names its holder (pid, address), so a second server can
+say which one to stop. The lock dies with its process (a crash frees it).
+"""
 
 from __future__ import annotations
 
 import builtins
+import fcntl
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -12,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobRow", "JobStore", "QueueFull"]
+__all__ = ["DatabaseInUse", "JobRow", "JobStore", "QueueFull", "ServerLock"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -38,7 +45,64 @@ COLUMNS = {
     "handle": "TEXT",  # the engine's JSON handle (PID, Slurm job id, TrainJob name)
     "token_hash": "TEXT",  # sha256 of the job's callback token
     "final": "TEXT",  # the workers' done/error event, as JSON
+    "reason": "TEXT",  # why the engine keeps the job waiting (its own words)
+    "pending_since": "REAL",  # when the engine started keeping it waiting
 }
+
+
+class DatabaseInUse(Exception):
+    """Another server holds the job database; ``holder`` says which (pid, address)."""
+
+    def __init__(self, db: str, holder: dict[str, Any]) -> None:
+        self.db, self.holder = db, holder
+        where = holder.get("address") or "an address not yet bound"
+        since = holder.get("since")
+        when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
+        super().__init__(
+            f"the job database {db} is in use by another reshard-server (pid "
+            f"{holder.get('pid', '?')}, {where}{when}). One server per database: stop that "
+            "one, or give this one its own RESHARD_DB (and RESHARD_DATA_DIR)"
+        )
+
+
+class ServerLock:
+    """An exclusive lock on a job database, held for the life of the server process."""
+
+    def __init__(self, db: str) -> None:
+        self.db = db
+        self.path = f"{db}.lock"
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise DatabaseInUse(db, holder) from None
+        self.fd = fd
+        self._say({"pid": os.getpid(), "since": time.time()})
+
+    def bound(self, address: str) -> None:
+        """Record the address this server listens on (for a second server's message)."""
+        self._say({"pid": os.getpid(), "since": time.time(), "address": address})
+
+    def _say(self, holder: dict[str, Any]) -> None:
+        data = json.dumps(holder).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = -1
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class QueueFull(Exception):
@@ -62,6 +126,13 @@ class JobRow:
     engine: str | None = None
     handle: dict[str, Any] | None = None
     final: dict[str, Any] | None = None
+    reason: str | None = None
+    pending_since: float | None = None
+
+    @property
+    def at_engine(self) -> bool:
+        """Submitted to the engine and not concluded (running, or waiting there)."""
+        return self.handle is not None and self.state in ("queued", "running")
 
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> JobRow:
@@ -81,6 +152,8 @@ class JobRow:
             engine=r["engine"],
             handle=json.loads(r["handle"]) if r["handle"] else None,
             final=json.loads(r["final"]) if r["final"] else None,
+            reason=r["reason"],
+            pending_since=r["pending_since"],
         )
 
 

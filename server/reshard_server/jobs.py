@@ -1,8 +1,10 @@
 """The job manager: queue -> running -> succeeded | failed | cancelled.
 
-One asyncio task polls every ``poll_interval_s``: it asks the engine (the launcher) about
-every running job, escalates cancels (SIGTERM, then a kill after the grace period) and
-submits queued jobs while fewer than ``max_running`` run.
+One thread polls every ``poll_interval_s``: it asks the engine (the launcher) about every
+job it was given, escalates cancels (SIGTERM, then a kill after the grace period) and
+submits queued jobs while fewer than ``max_running`` are at the engine. A job the engine
+keeps waiting (Slurm PENDING, a Pending pod) is shown ``queued`` with the engine's reason;
+if that reason cannot resolve by itself, the job fails after ``pending_timeout_s``.
 
 The engine's word decides how a job ends: workers exit 0 only after the target is
 committed, so a job whose workers were OOM-killed ends ``failed`` with the engine's reason
@@ -59,11 +61,18 @@ class JobManager:
     # ---- lifecycle
 
     def start(self) -> None:
-        """Reconcile, then poll on one long-lived thread (engine calls block; local workers
-        are its children and die with it, by ``PR_SET_PDEATHSIG``)."""
-        self.reconcile()
-        self._thread = threading.Thread(target=self._loop, name="reshard-job-manager", daemon=True)
+        """Reconcile, then poll, on one long-lived thread (engine calls block; local workers
+        are its children and die with it, by ``PR_SET_PDEATHSIG``): the server answers
+        requests while it re-attaches the jobs an earlier process left."""
+        self._thread = threading.Thread(target=self._run, name="reshard-job-manager", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.reconcile()
+        except Exception:  # the loop retries every job on its next tick
+            logger.exception("re-attaching earlier jobs failed")
+        self._loop()
 
     def stop(self) -> None:
         self._stop.set()
@@ -78,9 +87,13 @@ class JobManager:
                 logger.exception("job manager tick failed")
             self._stop.wait(self.settings.poll_interval_s)
 
+    def _at_engine(self) -> list[JobRow]:
+        """Jobs handed to the engine and not concluded: running, or kept waiting there."""
+        return [j for j in self.store.in_state("queued", "running") if j.at_engine]
+
     def reconcile(self) -> None:
-        """Re-attach the jobs a previous server process left running."""
-        for job in self.store.in_state("running"):
+        """Re-attach the jobs a previous server process left at the engine."""
+        for job in self._at_engine():
             status = self._status(job)
             if status.active:
                 logger.info("job %s: re-attached (%s on %s)", job.id, status.state, job.engine)
@@ -91,9 +104,10 @@ class JobManager:
 
     def tick(self) -> None:
         now = time.time()
-        for job in self.store.in_state("running"):
+        for job in self._at_engine():
             status = self._status(job)
             if status.active:
+                self._track(job, status, now)
                 if job.cancel_requested and job.id not in self._cancel_at:
                     self._cancel_running(job)
                 due = self._cancel_at.get(job.id)
@@ -104,12 +118,35 @@ class JobManager:
                 continue
             self._cancel_at.pop(job.id, None)
             self._conclude(self.store.get(job.id) or job, status)
-        running = len(self.store.in_state("running"))
+        busy = len(self._at_engine())
         for job in self.store.in_state("queued"):
-            if running >= self.settings.max_running:
+            if job.at_engine:
+                continue
+            if busy >= self.settings.max_running:
                 break
             self._launch(job)
-            running += 1
+            busy += 1
+
+    def _track(self, job: JobRow, status: EngineStatus, now: float) -> None:
+        """Show what the engine does with a job: ``queued`` with its reason while it keeps
+        the job waiting (failing it when that cannot resolve), ``running`` once it runs."""
+        if status.state == "running":
+            if job.state != "running" or job.reason:
+                self.store.update(job.id, state="running", reason=None, pending_since=None)
+            return
+        since = job.pending_since or now
+        if job.state != "queued" or job.reason != status.reason or not job.pending_since:
+            self.store.update(job.id, state="queued", reason=status.reason, pending_since=since)
+            logger.info("job %s: the engine keeps it waiting (%s)", job.id, status.reason)
+        waited = now - since
+        if status.hopeless and waited >= self.settings.pending_timeout_s and job.handle:
+            why = (f"{status.reason}: the engine cannot start it (the request exceeds what it "
+                   f"offers); gave up after {waited:.0f} s (RESHARD_PENDING_TIMEOUT_S)")  # fmt: skip
+            try:
+                self.launcher.cancel(job.handle, force=True)
+            except Exception:
+                logger.warning("job %s: could not cancel it at the engine", job.id, exc_info=True)
+            self._finish(job, "failed", why)
 
     def _status(self, job: JobRow) -> EngineStatus:
         if not job.handle:
@@ -139,7 +176,8 @@ class JobManager:
             if not committed and job.attempts <= self.settings.max_retries:
                 logger.info("job %s: re-queued (%s)", job.id, status.reason)
                 self.store.update(job.id, state="queued", started_at=None, progress={},
-                                  error=None, handle=None, final=None, token_hash=None)  # fmt: skip
+                                  error=None, handle=None, final=None, token_hash=None,
+                                  reason=None, pending_since=None)  # fmt: skip
             elif committed:
                 self._finish(job, "failed", f"{status.reason}; its target is committed but "
                              "the job's completion was not recorded — verify it before use")  # fmt: skip
@@ -165,7 +203,8 @@ class JobManager:
     def _finish(self, job: JobRow, state: str, error: str | None) -> None:
         if state in ("failed", "cancelled"):
             self._collect(job)  # before the state says so: a client may look right away
-        self.store.update(job.id, state=state, error=error, finished_at=time.time())
+        self.store.update(job.id, state=state, error=error, finished_at=time.time(),
+                          reason=None, pending_since=None)  # fmt: skip
         if state == "succeeded":
             self.bytes_converted += int(job.progress.get("bytes_total", 0))
         logger.info("job %s: %s%s", job.id, state, f" ({error})" if error else "")
@@ -185,7 +224,7 @@ class JobManager:
 
     def _launch(self, job: JobRow) -> None:
         token = secrets.token_urlsafe(32)
-        if not self.store.transition(
+        if job.at_engine or not self.store.transition(
             job.id, ("queued",), state="running", started_at=time.time(),
             attempts=job.attempts + 1, engine=self.launcher.name, handle=None, final=None,
             token_hash=token_hash(token),
@@ -220,18 +259,19 @@ class JobManager:
                 self.store.update(job_id, final=event)
 
     def cancel(self, job_id: str) -> JobRow | None:
-        """Cancel a queued job at once; a running one is stopped through its engine."""
+        """Cancel a queued job at once; one at the engine (running, or kept waiting there)
+        is stopped through its engine, and ends ``cancelled`` once the engine says so."""
         job = self.store.get(job_id)
         if job is None:
             return None
-        if job.state == "queued" and self.store.transition(
+        if job.at_engine:
+            self.store.update(job_id, cancel_requested=1)
+            self._cancel_running(job)
+        elif job.state == "queued" and self.store.transition(
             job_id, ("queued",), state="cancelled", error="cancelled by request",
             finished_at=time.time(),
         ):  # fmt: skip
             return self.store.get(job_id)
-        if job.state == "running":
-            self.store.update(job_id, cancel_requested=1)
-            self._cancel_running(job)
         return self.store.get(job_id)
 
     def _cancel_running(self, job: JobRow) -> None:

@@ -35,6 +35,8 @@ JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 NODE_JOB = "node"  # the torch-distributed runtime's trainer replicated job
 MANAGER = "reshard-server"
+#: Container states that will not resolve by waiting (the image cannot be pulled or used).
+_IMAGE_ERRORS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 #: Worker env taken from the server's own settings (never its API token).
 PASSED_ENV = ("RESHARD_ALLOW_DCP_PICKLE", "FSSPEC_S3", "LOGLEVEL")
 
@@ -158,8 +160,28 @@ class KubernetesLauncher:
             pods = self._pod_exit_reasons(handle)
             return EngineStatus("failed", f"kubernetes: {reason}" + (f" ({pods})" if pods else ""))
         if conditions.get("Suspended", {}).get("status") == "True":
-            return EngineStatus("pending", "suspended")
-        return EngineStatus("running")
+            return EngineStatus("pending", "Kubernetes: the TrainJob is suspended")
+        return self._pending(handle) or EngineStatus("running")
+
+    def _pending(self, handle: Handle) -> EngineStatus | None:
+        """Pending while a node pod waits: the scheduler cannot place it (``Unschedulable``,
+        which may resolve as the cluster frees or grows), or its image cannot be pulled
+        (``ImagePullBackOff``, which will not by itself)."""
+        for pod in self._pods(handle):
+            status = pod.status
+            if status is None or status.phase != "Pending":
+                continue
+            for c in status.conditions or []:
+                if c.type == "PodScheduled" and c.status == "False":
+                    why = f"Kubernetes: {c.reason or 'Unschedulable'}"
+                    return EngineStatus("pending", f"{why}: {c.message}" if c.message else why)
+            for cs in status.container_statuses or []:
+                waiting = cs.state and cs.state.waiting
+                if waiting is not None and waiting.reason in _IMAGE_ERRORS:
+                    text = f"Kubernetes: {waiting.reason}: {waiting.message or pod.metadata.name}"
+                    return EngineStatus("pending", text, hopeless=True)
+            return EngineStatus("pending", f"Kubernetes: pod {pod.metadata.name} is Pending")
+        return None
 
     def _pods(self, handle: Handle) -> list[Any]:
         selector = f"{JOBSET_LABEL}={handle['name']},{REPLICATED_JOB_LABEL}={NODE_JOB}"

@@ -11,9 +11,11 @@ again. ``RESHARD_LAUNCHER`` picks one (:func:`make_launcher`):
 - ``slurm``: ``sbatch`` / ``squeue`` / ``scancel`` (:mod:`reshard_server.slurm`).
 - ``kubernetes``: Kubeflow Trainer ``TrainJob`` objects (:mod:`reshard_server.kubernetes`).
 
-Local jobs cannot outlive the server: every process carries ``RESHARD_JOB_ID`` in its
-environment, torchrun dies with the server (``PR_SET_PDEATHSIG``) and workers with
-torchrun; after a restart the job is ``lost`` and the manager re-queues it.
+Local jobs cannot outlive the server: torchrun dies with the server (``PR_SET_PDEATHSIG``)
+and workers with torchrun; after a restart the job is ``lost`` and the manager re-queues
+it. Recovery only stops processes it can prove this launch started: every process of a
+launch carries ``RESHARD_LAUNCH_ID`` (job, attempt and a random part) in its environment,
+and the handle records torchrun's pid with its start time.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reshard_svc.plan.spec import ConvertSpec
+from reshard_svc.storage.leases import alive, process_start
 
 if TYPE_CHECKING:
     from reshard_server.config import Settings
@@ -43,6 +47,7 @@ __all__ = [
     "LauncherError",
     "LocalLauncher",
     "job_pids",
+    "tagged_pids",
     "make_launcher",
     "read_log",
     "set_pdeathsig",
@@ -50,6 +55,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 JOB_ENV = "RESHARD_JOB_ID"
+LAUNCH_ENV = "RESHARD_LAUNCH_ID"
 _PR_SET_PDEATHSIG = 1
 #: What an engine may say about a job. ``lost``: the engine does not know it (any more).
 ENGINE_STATES = ("pending", "running", "succeeded", "failed", "lost")
@@ -82,8 +88,13 @@ class Launch:
 
 @dataclass(frozen=True)
 class EngineStatus:
+    """What the engine says about a job. ``pending``: it keeps the job waiting, for
+    ``reason`` (its own words, e.g. ``Slurm: PartitionNodeLimit``); ``hopeless``: a reason
+    that cannot resolve by itself (the request exceeds the partition or cluster)."""
+
     state: str  # one of ENGINE_STATES
     reason: str | None = None
+    hopeless: bool = False
 
     @property
     def active(self) -> bool:
@@ -129,9 +140,9 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def job_pids(job_id: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``RESHARD_JOB_ID=job_id``."""
-    tag = f"{JOB_ENV}={job_id}".encode() + b"\0"
+def tagged_pids(name: str, value: str) -> list[int]:
+    """PIDs of live (not zombie) processes whose environment carries ``name=value``."""
+    tag = f"{name}={value}".encode() + b"\0"
     me = os.getpid()
     out = []
     for entry in os.listdir("/proc"):
@@ -140,13 +151,16 @@ def job_pids(job_id: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read() + b"\0"
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[-1].split()[0]
         except OSError:
             continue
-        if b"\0" + tag in b"\0" + env and state != b"Z":
+        if b"\0" + tag in b"\0" + env and alive(int(entry)):
             out.append(int(entry))
     return out
+
+
+def job_pids(job_id: str) -> list[int]:
+    """PIDs of live processes of any launch of job ``job_id``."""
+    return tagged_pids(JOB_ENV, job_id)
 
 
 class LocalLauncher:
@@ -165,9 +179,11 @@ class LocalLauncher:
             f"--nproc-per-node={launch.spec.workers_per_node}", "-m", "reshard_svc.worker",
             *launch.worker_argv(),
         ]  # fmt: skip
+        launch_id = f"{launch.name}-{uuid.uuid4().hex[:8]}"
         env = {
             **launch.env,
             JOB_ENV: launch.job_id,
+            LAUNCH_ENV: launch_id,
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": launch.env.get("OMP_NUM_THREADS", "1"),
         }
@@ -186,7 +202,8 @@ class LocalLauncher:
         self._procs[launch.job_id] = proc
         logger.info("job %s: started %d workers (pid %d)", launch.job_id, launch.spec.workers,
                     proc.pid)  # fmt: skip
-        return {"job_id": launch.job_id, "pid": proc.pid, "log": str(launch.log_path)}
+        return {"job_id": launch.job_id, "pid": proc.pid, "start": process_start(proc.pid),
+                "launch": launch_id, "log": str(launch.log_path)}  # fmt: skip
 
     def status(self, handle: Handle) -> EngineStatus:
         proc = self._procs.get(handle["job_id"])
@@ -196,22 +213,30 @@ class LocalLauncher:
         if code is None:
             return EngineStatus("running")
         self._procs.pop(handle["job_id"], None)
-        self._signal(handle["job_id"], signal.SIGKILL)  # stragglers, if any
+        self._signal(handle, signal.SIGKILL)  # stragglers, if any
         if code == 0:
             return EngineStatus("succeeded")
         return EngineStatus("failed", f"workers exited with code {code}; see the job's logs")
 
     def cancel(self, handle: Handle, force: bool = False) -> None:
-        self._signal(handle["job_id"], signal.SIGKILL if force else signal.SIGTERM)
+        self._signal(handle, signal.SIGKILL if force else signal.SIGTERM)
 
     def logs(self, handle: Handle, offset: int, limit: int) -> tuple[bytes, int]:
         return read_log(handle["log"], offset, limit)
 
-    def _signal(self, job_id: str, sig: int) -> int:
-        pids = job_pids(job_id)
-        for pid in pids:
+    def _signal(self, handle: Handle, sig: int) -> int:
+        """Signal the processes this launch started, and only them: those whose
+        environment carries its launch id, and torchrun itself if it is still the
+        process the handle recorded (pid and start time)."""
+        pids = set(tagged_pids(LAUNCH_ENV, handle["launch"])) if "launch" in handle else set()
+        pid, start = handle.get("pid"), handle.get("start")
+        if pid and start and alive(pid, start):
+            pids.add(pid)
+        if "launch" not in handle:  # a handle from before launch ids
+            pids |= set(job_pids(handle["job_id"]))
+        for p in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
+                os.kill(p, sig)
         return len(pids)
 
 

@@ -156,6 +156,11 @@ class JobPublic(BaseModel):
     progress: ProgressPublic
     throughput_bytes_per_s: float | None = None
     error: str | None = None
+    reason: str | None = Field(
+        default=None,
+        description="why the engine keeps a queued job waiting, in its own words "
+        "(e.g. 'Slurm: PartitionNodeLimit')",
+    )
     attempts: int = 0
     engine: str | None = Field(
         default=None, description="launcher that ran it: local, slurm, kubernetes"

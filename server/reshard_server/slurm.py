@@ -35,6 +35,13 @@ logger = logging.getLogger(__name__)
 _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
             "SUSPENDED", "STAGE_OUT", "SIGNALING"}  # fmt: skip
 _RUNNING = {"RUNNING", "COMPLETING"}
+#: Reasons a pending job has that no amount of waiting fixes: the request exceeds what the
+#: partition, account or QOS allows.
+HOPELESS = {
+    "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
+    "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
+    "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxMemoryPerJob", "QOSMaxWallDurationPerJobLimit",
+}  # fmt: skip
 _FAILED_REASONS = {
     "FAILED": "the job failed",
     "CANCELLED": "the job was cancelled in Slurm",
@@ -54,7 +61,8 @@ def slurm_state(
     """Map a Slurm job state (``COMPLETED``, ``OUT_OF_MEMORY``, ...) to an engine status."""
     base = state.split()[0].split("+")[0].upper() if state else ""
     if base in _PENDING:
-        return EngineStatus("pending", reason)
+        why = reason if reason and reason != "None" else base.lower()
+        return EngineStatus("pending", f"Slurm: {why}", hopeless=why in HOPELESS)
     if base in _RUNNING:
         return EngineStatus("running")
     if base == "COMPLETED":

@@ -189,7 +189,8 @@ def test_readme_trainjob_is_valid_and_runs(k8s, tmp_path):
         {"s3://checkpoints/llama-tp8": str(src), "s3://checkpoints/llama-tp4": str(dst)}.get(a, a)
         for a in command
     ]
-    body["spec"]["trainer"]["numProcPerNode"] = 1  # two cores here, not 8 GPUs
+    body["spec"]["trainer"]["numProcPerNode"] = 1  # two cores here, not 8 GPUs ...
+    body["spec"]["trainer"].pop("resourcesPerNode")  # ... which the stand-in's node lacks
     api = client.CustomObjectsApi(config.new_client_from_config(str(k8s.kubeconfig)))
     api.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "ml", "trainjobs",
                                         body)  # fmt: skip

@@ -118,15 +118,44 @@ def test_missing_folder_is_not_a_checkpoint(root):
         reshard_svc.inspect(f"{root}/nothing-here")
 
 
-def test_every_backend_satisfies_the_storage_protocol(root):
-    from reshard_svc.storage import Storage
+def test_every_backend_satisfies_the_three_protocols(root):
+    from reshard_svc.storage import Committer, LeaseStore, Storage
 
-    assert isinstance(open_storage(f"{root}/ck"), Storage)
+    storage = open_storage(f"{root}/ck")
+    assert isinstance(storage, Storage)
+    assert isinstance(storage, Committer)
+    assert isinstance(storage, LeaseStore)
+
+
+def test_the_lease_changes_only_by_compare_and_swap(root):
+    """One create wins; renew, take-over and drop need the version they knew; a stale
+    version is refused everywhere (the one-owner rule rests on this)."""
+    from reshard_svc.storage.base import LeaseHeld, LeaseLost
+
+    storage = open_storage(f"{root}/ck")
+    assert storage.read_lease() is None
+    v1 = storage.create_lease(b'{"token": "a"}', "a" * 32)
+    with pytest.raises(LeaseHeld) as held:
+        storage.create_lease(b'{"token": "b"}', "b" * 32)
+    assert held.value.state.record == b'{"token": "a"}' and held.value.state.version == v1
+    v2 = storage.renew_lease(v1, b'{"token": "a", "n": 2}')
+    with pytest.raises(LeaseLost):
+        storage.renew_lease(v1, b'{"token": "a", "n": 3}')  # v1 is gone
+    with pytest.raises(LeaseLost):
+        storage.replace_lease(v1, b'{"token": "c"}', "c" * 32)
+    v3 = storage.replace_lease(v2, b'{"token": "c"}', "c" * 32)  # a take-over: one wins
+    with pytest.raises(LeaseLost):
+        storage.replace_lease(v2, b'{"token": "d"}', "d" * 32)
+    storage.drop_lease(v2)  # not the current one: nothing happens
+    assert storage.read_lease().record == b'{"token": "c"}'
+    storage.drop_lease(v3)
+    assert storage.read_lease() is None
+    assert storage.create_lease(b'{"token": "e"}', "e" * 32)
 
 
 def test_capabilities_and_reads_into_place(root):
-    """``read_runs`` fills buffers in order on every backend; ``root_kind`` names the URI;
-    the capabilities the planner uses say what the backend is."""
+    """``positional`` fills buffers in order on every backend; ``root_kind`` names the
+    URI; the capabilities the planner uses say what the backend is."""
     storage = open_storage(f"{root}/ck")
     assert storage.root_kind() == "missing"
     payload = bytes(range(256)) * 4
@@ -134,7 +163,8 @@ def test_capabilities_and_reads_into_place(root):
     assert storage.root_kind() == "folder"
     assert open_storage(f"{root}/ck/blob.bin").root_kind() == "file"
     runs = [memoryview(bytearray(n)) for n in (3, 0, 100, 7)]
-    storage.read_runs("blob.bin", 10, runs)
+    with storage.positional("blob.bin") as readv:
+        readv(10, runs)
     assert b"".join(bytes(r) for r in runs) == payload[10:120]
     assert storage.local_files == (not root.startswith(("memory://", "s3://")))
     assert storage.latency_s > 0 and storage.bandwidth > 0

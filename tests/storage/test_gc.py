@@ -94,12 +94,18 @@ def test_cli_convert_overwrite_repro(tmp_path):
 
 
 def fake_run(storage, token: str, *, pid: int, expires_in: float, owner: str = "") -> None:
-    """What a run that died after writing its data (and before committing) leaves."""
+    """What a run that died after writing its data (and before committing) leaves: its
+    lease and a data file under the names reshard gives them."""
+    from reshard_svc.storage.leases import LeaseRecord
+
     now = time.time()
-    rec = gc.LeaseRecord(token, "save", owner, os.uname().nodename, pid, now, now + expires_in)
-    storage.write_lease(token, rec.dumps())
+    rec = LeaseRecord(token, "save", owner, os.uname().nodename, pid, now - 1,
+                      ttl=expires_in + 1, renewed=now - 1)  # fmt: skip
+    storage.create_lease(rec.dumps(), token)
+    if expires_in < 0 and not storage.uri.startswith(("memory", "s3")):
+        os.utime(storage.lease_path(), (now - 10, now - 10))  # the mtime says when it lived
     staging = storage.staging(token)
-    staging.write(f"data{staging.file_suffix}.safetensors", b"x" * 100)
+    staging.write(f"shard-00000-000{staging.file_suffix}.safetensors", b"x" * 100)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +135,7 @@ def test_collect_only_stale_runs(root, pid, expires_in, owner, collected):
     assert (report.live == [token]) != collected
     if collected:
         assert set(storage.listdir()) == before
-        assert storage.read_leases() == {}
+        assert storage.read_lease() is None
         if not root.startswith(("memory", "s3")):
             assert [p for p in os.listdir(root) if p.startswith(".ck.")] == []
     assert read(uri) == 5.0

@@ -13,7 +13,9 @@ injects (``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER
 ``PET_MASTER_PORT``), labels its pods the way JobSet does, sets ``Complete``/``Failed``
 conditions from the exit codes (a SIGKILLed container reports ``OOMKilled``, as the kubelet
 does after an OOM kill), and deletes with foreground propagation: SIGTERM, a grace period,
-SIGKILL, and the object disappears once its pods are gone.
+SIGKILL, and the object disappears once its pods are gone. Its one node has no GPUs: a
+TrainJob asking for ``nvidia.com/gpu`` gets pods the scheduler leaves ``Pending``
+(``PodScheduled=False``, reason ``Unschedulable``), as a real scheduler does.
 """
 
 from __future__ import annotations
@@ -54,19 +56,28 @@ def _status(code: int, reason: str, message: str) -> JSONResponse:
 class Node:
     """One TrainJob node: a pod backed by a local process group."""
 
-    def __init__(self, job: TrainJob, rank: int, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, job: TrainJob, rank: int, cmd: list[str], env: dict[str, str],
+        unschedulable: str | None = None,
+    ) -> None:  # fmt: skip
         self.name = f"{job.name}-node-0-{rank}"
         self.log = job.cluster.root / f"{job.namespace}-{self.name}.log"
         self.killed_by_delete = False
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        self.unschedulable = unschedulable  # the scheduler's message: never started
+        self.proc: subprocess.Popen[bytes] | None = None
+        if unschedulable is None:
+            with open(self.log, "wb") as out:
+                self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
     def signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
 
     def terminated(self) -> dict[str, Any] | None:
+        if self.proc is None:
+            return None
         rc = self.proc.poll()
         if rc is None:
             return None
@@ -96,12 +107,18 @@ class TrainJob:
                 value = cluster.secrets.get(ref["name"], {}).get(ref["key"])
                 if value is not None:
                     base[e["name"]] = value
+        gpus = int(trainer.get("resourcesPerNode", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+        unschedulable = (
+            "0/1 nodes are available: 1 Insufficient nvidia.com/gpu. preemption: 0/1 nodes "
+            "are available: 1 No preemption victims found for incoming pod."
+            if gpus > cluster.gpus_per_node else None
+        )  # fmt: skip
         self.nodes = [
             Node(self, rank, list(trainer["command"]), {
                 **base, "PET_NNODES": str(nnodes), "PET_NPROC_PER_NODE": nproc,
                 "PET_NODE_RANK": str(rank), "PET_MASTER_ADDR": "127.0.0.1",
                 "PET_MASTER_PORT": port,
-            })
+            }, unschedulable)
             for rank in range(nnodes)
         ]  # fmt: skip
         self.deleting = False
@@ -138,6 +155,15 @@ class TrainJob:
         labels = {"jobset.sigs.k8s.io/jobset-name": self.name,
                   "jobset.sigs.k8s.io/replicatedjob-name": "node",
                   "trainer.kubeflow.org/trainjob-name": self.name}  # fmt: skip
+        if node.unschedulable is not None:
+            return {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": node.name, "namespace": self.namespace, "labels": labels},
+                "spec": {"containers": [{"name": "node", "image": image}]},
+                "status": {"phase": "Pending", "conditions": [{
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": node.unschedulable, "lastTransitionTime": _now()}]},
+            }  # fmt: skip
         return {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": node.name, "namespace": self.namespace, "labels": labels},
@@ -156,11 +182,13 @@ class TrainJob:
 
         def reap() -> None:
             deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and any(n.proc.poll() is None for n in self.nodes):
+            procs = [n.proc for n in self.nodes if n.proc is not None]
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                 time.sleep(0.1)
             for n in self.nodes:
                 n.signal(signal.SIGKILL)
-                n.proc.wait()
+            for p in procs:
+                p.wait()
             self.cluster.jobs.pop((self.namespace, self.name), None)
 
         threading.Thread(target=reap, daemon=True).start()
@@ -174,6 +202,7 @@ class StandInCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = token
         self.grace_s = grace_s
+        self.gpus_per_node = 0
         self.jobs: dict[tuple[str, str], TrainJob] = {}
         self.secrets: dict[str, dict[str, str]] = {}
         self.requests: list[tuple[str, str]] = []

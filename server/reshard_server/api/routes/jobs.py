@@ -49,6 +49,7 @@ def to_public(job: JobRow) -> JobPublic:
         progress=progress,
         throughput_bytes_per_s=throughput,
         error=job.error,
+        reason=job.reason,
         attempts=job.attempts,
         engine=job.engine,
         handle=job.handle,
