@@ -18,6 +18,11 @@ nothing, so both pairs measure the same work there.
 
 ``--size large`` converts 3 GiB instead of 1 GiB: the CLI's fixed cost (4-6 s) varies by
 more than 1 GiB costs, so the 1 GiB difference of medians is noisy at a few runs.
+
+The fixed cost itself is measured first: a 6.5 MiB TP=2 checkpoint converted to TP=4 by
+``--workers 1`` (the conversion runs in the CLI's own process) and by ``--workers 2``,
+interleaved, ``--runs`` times each (at least 5); ``startup_ratio_w2_over_w1`` is the
+ratio of their medians. ``--startup-only`` measures only that.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ SIZES = {  # --size -> {label: (layers, hidden, ffn)}: the big and the tiny chec
     "large": {"3GiB": (32, 2048, 5632), "1MiB": (1, 256, 768)},
     "small": {"8MiB": (2, 512, 1408), "1MiB": (1, 256, 768)},  # a smoke run
 }
+STARTUP_SHAPE = (1, 512, 1536)  # 6.5 MiB
 
 
 def build(path: str, shape: tuple[int, int, int]) -> int:
@@ -127,13 +133,48 @@ def bench_dir(base: str, runs: int, size: str = "full") -> dict:
     }
 
 
+def bench_startup(base: str, runs: int) -> dict:
+    """The CLI's fixed cost: a 6.5 MiB conversion with 1 worker and with 2."""
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    src = f"{base}/src"
+    size = build(src, STARTUP_SHAPE)
+    os.sync()
+    walls: dict[int, list[float]] = {1: [], 2: []}
+    cli = [sys.executable, "-m", "reshard_client.cli", "convert"]
+    try:
+        for run in range(runs):
+            for workers in (1, 2) if run % 2 == 0 else (2, 1):  # interleaved, rotated
+                dst = f"{base}/out-w{workers}"
+                shutil.rmtree(dst, ignore_errors=True)
+                cmd = [*cli, src, dst, "--mesh", "tp=4", "--workers", str(workers)]
+                walls[workers].append(timed(cmd, {}))
+                shutil.rmtree(dst, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    med = {w: statistics.median(v) for w, v in walls.items()}
+    for w, v in walls.items():
+        print(json.dumps({"bench": "cli_convert", "dir": base, "op": f"startup-workers{w}",
+                          "bytes": size, "wall_s": round(med[w], 3),
+                          "wall_s_all": [round(x, 3) for x in v]}))  # fmt: skip
+    return {"bench": "cli_convert", "dir": base, "runs": runs, "startup_bytes": size,
+            "startup_w1_s": round(med[1], 3), "startup_w2_s": round(med[2], 3),
+            "startup_ratio_w2_over_w1": round(med[2] / med[1], 2)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="full", help="small: a smoke run")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dirs", default="/dev/shm/reshard-cli,/tmp/reshard-cli")
+    ap.add_argument("--startup-only", action="store_true", help="only the fixed cost")
     args = ap.parse_args()
-    for base in args.dirs.split(","):
+    dirs = args.dirs.split(",")
+    startup_runs = args.runs if args.size == "small" else max(5, args.runs)
+    print(json.dumps(bench_startup(dirs[0] + "-startup", startup_runs)))
+    if args.startup_only:
+        return
+    for base in dirs:
         print(json.dumps(bench_dir(base, args.runs, args.size)))
 
 

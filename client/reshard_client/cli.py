@@ -8,10 +8,9 @@ checkpoint has problems (verify) or the job did not succeed, 2 bad input or an e
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
-import re
+import signal
 import sys
 from typing import Annotated, Any
 
@@ -176,26 +175,14 @@ def verify(
     raise typer.Exit(0 if report.ok else 1)
 
 
-def _bar(disable: bool = False) -> Progress:
-    return Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(binary_units=True),  # MiB/GiB, as `reshard status` counts
-        TransferSpeedColumn(),
-        "{task.fields[tensors]}",
-        TimeRemainingColumn(),
-        console=err,
-        transient=False,
-        disable=disable or not err.is_terminal,
-    )
-
-
 @app.command()
 def convert(
     src: Annotated[
         str, typer.Argument(help="Source checkpoint (native, DCP HF, plain HF, DCP .distcp).")
     ],
-    dst: Annotated[str, typer.Argument(help="Target folder (must be new or a checkpoint).")],
+    dst: Annotated[
+        str, typer.Argument(help="Target folder: new, a checkpoint, or (hf) a model folder.")
+    ],
     mesh: Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=4 or dp=2,tp=4.")] = None,
     rules: Annotated[
         str | None, typer.Option(help="YAML/JSON file mapping tensor-name globs to placements.")
@@ -205,13 +192,22 @@ def convert(
     ] = "native",
     dtype: Annotated[
         str | None,
-        typer.Option(help="Cast floating-point tensors on the fly: bf16, fp16, fp32 or fp64."),
+        typer.Option(
+            help="Cast floating-point tensors of 1+ dims on the fly: bf16, fp16, fp32 or fp64 "
+            "(0-dim scalars such as an optimizer's step keep theirs)."
+        ),
+    ] = None,
+    keep_dtype: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --dtype: leave tensors matching this glob as they are (repeatable)."
+        ),
     ] = None,
     strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
     max_memory: Annotated[str, typer.Option(help="Byte budget per worker, e.g. 1GiB.")] = "1GiB",
     max_shard_size: Annotated[str, typer.Option(help="HF export: cap per file.")] = "5GB",
     workers: Annotated[
-        int, typer.Option(min=1, help="torchrun workers to launch (1 runs in-process).")
+        int, typer.Option(min=1, help="Worker processes (1 runs in this process).")
     ] = 1,
     checksum: Annotated[
         str,
@@ -223,130 +219,76 @@ def convert(
     overwrite: OverwriteOpt = False,
     only: OnlyOpt = None,
     strip_prefix: StripPrefixOpt = None,
+    no_copy_config: Annotated[
+        bool,
+        typer.Option(
+            "--no-copy-config", help="--format hf: do not copy the source's config and tokenizer."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
-    import os
-    import tempfile
-
+    from reshard_client.runner import ProgressOut, leftovers, run_in_process, run_workers
     from reshard_svc.errors import ReshardError
     from reshard_svc.plan.spec import ConvertSpec
 
     try:
         spec = ConvertSpec(
-            src, dst, mesh=_parse_mesh(mesh), rules=_parse_rules(rules), format=format,
-            dtype=dtype, strategy=strategy, checksum=checksum, max_memory=max_memory,
-            max_shard_size=max_shard_size, workers_per_node=workers, overwrite=overwrite,
-            only=only or None, strip_prefix=strip_prefix,
+            src, dst, mesh=_parse_mesh(mesh), rules=_parse_rules(rules), format=format,  # type: ignore[arg-type]
+            dtype=dtype, keep_dtype=keep_dtype or None, strategy=strategy,  # type: ignore[arg-type]
+            checksum=checksum, max_memory=max_memory, max_shard_size=max_shard_size,
+            workers_per_node=workers, overwrite=overwrite, only=only or None,
+            strip_prefix=strip_prefix, copy_config=not no_copy_config,
         ).checked()  # fmt: skip
+        spec.preflight()  # before any worker starts
     except ReshardError as e:
         raise _fail(e) from None
-    log_path = ""
-    with tempfile.TemporaryDirectory() as tmp, _bar(as_json) as bar:
-        task = bar.add_task("converting", total=None, tensors="")
-        progress_file = os.path.join(tmp, "progress.jsonl")
-        if workers == 1:
-            code = _convert_in_process(spec, progress_file)
-        else:
-            code, log_path = _convert_with_torchrun(spec, progress_file, bar, task)
-        last = _show(bar, task, progress_file)
-    _report(last, code, log_path, f"{src} -> {dst}", as_json)
+    # SIGTERM (to this process or its group) stops the run as Ctrl-C does: cleanly.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with ProgressOut(err, "converting", as_json) as progress:
+            run = run_in_process if workers == 1 else run_workers
+            outcome = run(spec, progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if outcome.interrupted and outcome.done is None:
+        hint = f"; `reshard gc {dst}` removes what it left" if leftovers(dst) else ""
+        err.print(f"[bold red]error:[/] interrupted: nothing was committed to {dst}{hint}",
+                  highlight=False)  # fmt: skip
+        raise typer.Exit(130)
+    _report(outcome, f"{src} -> {dst}", as_json)
 
 
-def _report(last: dict[str, Any], code: int, log_path: str, what: str, as_json: bool) -> None:
-    """The one line (or JSON) a conversion ends with; a failure names the worker log."""
-    import os
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
-    if code != 0 or last.get("event") != "done":
-        reason = last.get("error") or f"workers exited with code {code}"
-        if log_path:
-            reason += f" (worker logs: {log_path})"
+
+def _report(outcome: Any, what: str, as_json: bool) -> None:
+    """The one line (or JSON) a conversion ends with, printed once; a failure of workers
+    names their log (kept only then)."""
+    done = outcome.done
+    if done is None:
+        reason = outcome.error
+        if outcome.log_path:
+            reason += f" (worker logs: {outcome.log_path})"
         err.print(f"[bold red]error:[/] {reason}", highlight=False)
         raise typer.Exit(2)
-    if log_path:
-        os.unlink(log_path)
+    if outcome.log_path:
+        with contextlib.suppress(OSError):
+            os.unlink(outcome.log_path)
     if as_json:
-        sys.stdout.write(json.dumps(last) + "\n")
-    else:
-        out.print(
-            f"[green]converted[/] {what}: {last['tensors']} tensors, "
-            f"{_size(last['bytes_written'])} written in {last['seconds']} s ({last['strategy']})",
-            highlight=False,
-        )
-
-
-def _convert_in_process(spec: Any, progress_file: str) -> int:
-    """``--workers 1``: the worker runs in this process, its log lines above the bar."""
-    import logging
-    import os
-
-    from rich.logging import RichHandler
-
-    from reshard_svc.jobs.worker import main as worker_main
-
-    logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "INFO"), format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=err, show_path=False, show_level=False)],
-    )  # fmt: skip
-    try:
-        return worker_main(spec.to_argv(progress_file=progress_file))
-    except KeyboardInterrupt:
-        err.print("[bold red]error:[/] interrupted", highlight=False)
-        raise typer.Exit(130) from None
-
-
-def _convert_with_torchrun(spec: Any, progress_file: str, bar: Any, task: Any) -> tuple[int, str]:
-    """``--workers N``: torchrun the workers, show their progress and rank 0's warnings,
-    forward Ctrl-C. torchrun's and the workers' output goes to a log, kept (and named)
-    only on failure: the user sees one error line, not every rank's traceback."""
-    import os
-    import signal
-    import subprocess
-    import tempfile
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={spec.workers}", "-m", "reshard_svc.worker",
-           *spec.to_argv(progress_file=progress_file)]  # fmt: skip
-    log_fd, log_path = tempfile.mkstemp(prefix="reshard-convert-", suffix=".log")
-    with os.fdopen(log_fd, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "RESHARD_DIE_WITH_PARENT": "1"},
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
-        )  # fmt: skip
-        warnings = _WarningTail(log_path)
-        try:
-            while proc.poll() is None:
-                _show(bar, task, progress_file)
-                warnings.echo()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(0.2)  # returns as soon as torchrun exits
-            warnings.echo()
-        except KeyboardInterrupt:
-            # torchrun stops its workers on SIGINT (a terminal sends it to the whole
-            # group; a `kill -INT` of this process alone does not).
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if _show(bar, task, progress_file).get("event") == "done":
-                # the commit landed before the workers stopped: say so plainly
-                err.print(
-                    f"[bold red]error:[/] interrupted after the commit: {spec.target} is "
-                    "complete (reshard verify checks it)",
-                    highlight=False,
-                )
-            else:
-                err.print(
-                    f"[bold red]error:[/] interrupted; nothing was committed to {spec.target} "
-                    f"(worker logs: {log_path})",
-                    highlight=False,
-                )
-            raise typer.Exit(130) from None
-    return proc.returncode, log_path
+        sys.stdout.write(json.dumps(done) + "\n")
+        return
+    cast = ""
+    if done.get("cast") or done.get("kept"):
+        cast = f"; {done.get('cast', 0)} cast, {done.get('kept', 0)} kept their dtype"
+    note = " (interrupted after the commit: it is complete)" if outcome.interrupted else ""
+    out.print(
+        f"[green]converted[/] {what}: {done['tensors']} tensors, "
+        f"{_size(done['bytes_written'])} written in {done['seconds']} s ({done['strategy']})"
+        f"{cast}{note}",
+        highlight=False,
+    )
 
 
 @app.command()
@@ -385,64 +327,13 @@ def gc(
     for token in report.live:
         out.print(f"skipped run {token}: still in progress (its lease is live)", highlight=False)
     if not (report or report.kept or report.live):
+        from reshard_svc.storage import open_storage
+
+        if open_storage(uri).root_kind() == "missing":
+            err.print(f"[bold red]error:[/] {uri} does not exist and nothing was left beside it: "
+                      "check the path", highlight=False)  # fmt: skip
+            raise typer.Exit(2)
         out.print(f"nothing to collect at {uri}", highlight=False)
-
-
-def _die_with_parent(parent: int) -> None:
-    """torchrun dies with this CLI process (and its workers with it): no orphan commits.
-    Runs in the child before exec; a parent gone before the call means exit now."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-class _WarningTail:
-    """Echo rank 0's warnings from the workers' log (the rest of it stays in the file)."""
-
-    LINE = re.compile(r" rank 0 WARNING ([\w.]+): (.*)$")
-
-    def __init__(self, path: str) -> None:
-        self.path, self.offset = path, 0
-
-    def echo(self) -> None:
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1  # whole lines only; the rest next time
-        self.offset += end
-        for line in chunk[:end].decode("utf-8", "replace").splitlines():
-            m = self.LINE.search(line)
-            if m:
-                err.print(f"[yellow]warning:[/] rank 0 {m.group(1)}: {m.group(2)}", highlight=False)
-
-
-def _show(bar: Progress, task: Any, path: str) -> dict[str, Any]:
-    """Update the bar from the newest progress line; return that line."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return {}
-    if not lines:
-        return {}
-    last: dict[str, Any] = json.loads(lines[-1])
-    for line in reversed(lines):
-        rec = json.loads(line)
-        if rec.get("event") == "progress":
-            bar.update(
-                task,
-                completed=rec["bytes_done"],
-                total=rec["bytes_total"],
-                tensors=f"{rec['tensors_done']}/{rec['tensors_total']} tensors",
-            )
-            break
-    return last
 
 
 def _parse_mesh(mesh: str | None) -> dict[str, int] | None:

@@ -13,7 +13,6 @@ from reshard_client.cli import (
     OnlyOpt,
     OverwriteOpt,
     StripPrefixOpt,
-    _bar,
     _fail,
     _parse_mesh,
     _parse_rules,
@@ -47,20 +46,23 @@ def _remote(fn: Any) -> Any:
         raise _fail(e) from None
 
 
-def _wait_with_bar(client: Any, job_id: str, quiet: bool) -> Any:
-    with _bar(quiet) as bar:
-        task = bar.add_task(f"job {job_id}", total=None, tensors="")
+def _wait_with_bar(client: Any, job_id: str, as_json: bool) -> Any:
+    """Follow a job (a bar on a terminal, JSON lines otherwise). Ctrl-C stops following,
+    not the job, and says so."""
+    from reshard_client.runner import ProgressOut
+
+    with ProgressOut(err, f"job {job_id}", as_json) as progress:
 
         def show(job: Any) -> None:
-            p = job.progress
-            bar.update(
-                task,
-                completed=p.bytes_done,
-                total=p.bytes_total or None,
-                tensors=f"{p.tensors_done}/{p.tensors_total} tensors · {job.state.value}",
-            )
+            extra = job.state.value + (f" ({job.reason})" if job.reason else "")
+            progress.update(job.progress.model_dump(), extra)
 
-        return client.wait(job_id, on_progress=show, poll=0.3)
+        try:
+            return client.wait(job_id, on_progress=show, poll=0.3)
+        except KeyboardInterrupt:
+            err.print(f"job {job_id} keeps running; `reshard cancel {job_id}` stops it",
+                      highlight=False)  # fmt: skip
+            raise typer.Exit(130) from None
 
 
 def _print_job(job: Any, as_json: bool) -> None:
@@ -92,6 +94,10 @@ def submit(
     ] = None,
     format: Annotated[str, typer.Option(help="native or hf.")] = "native",
     dtype: Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")] = None,
+    keep_dtype: Annotated[
+        list[str] | None,
+        typer.Option(help="With --dtype: leave tensors matching this glob as they are."),
+    ] = None,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Total torchrun workers (nodes x workers per node).")
     ] = None,
@@ -111,6 +117,9 @@ def submit(
     overwrite: OverwriteOpt = False,
     only: OnlyOpt = None,
     strip_prefix: StripPrefixOpt = None,
+    no_copy_config: Annotated[
+        bool, typer.Option("--no-copy-config", help="--format hf: do not copy the config.")
+    ] = False,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submit at most once per key.")
     ] = None,
@@ -127,10 +136,12 @@ def submit(
     except Exception as e:  # layout / rules text errors
         raise _fail(e) from None
     optional = {"workers": workers, "workers_per_node": workers_per_node, "mesh": mesh_value,
-                "rules": rules_value, "dtype": dtype, "max_memory": max_memory,
-                "overwrite": overwrite or None, "only": only, "strip_prefix": strip_prefix}  # fmt: skip
-    spec: dict[str, Any] = {"source": src, "target": dst, "format": format, "nodes": nodes,
-                            "strategy": strategy, "checksum": checksum}  # fmt: skip
+                "rules": rules_value, "dtype": dtype, "keep_dtype": keep_dtype,
+                "max_memory": max_memory, "overwrite": overwrite or None, "only": only,
+                "strip_prefix": strip_prefix, "copy_config": False if no_copy_config else None}  # fmt: skip
+    # The server sees only absolute paths: a relative one is this shell's, resolved here.
+    spec: dict[str, Any] = {"source": _absolute(src), "target": _absolute(dst), "format": format,
+                            "nodes": nodes, "strategy": strategy, "checksum": checksum}  # fmt: skip
     spec.update({k: v for k, v in optional.items() if v is not None and v != [] and v != ""})
     _check_job(spec)
     with _client(url, token) as client:
@@ -142,6 +153,16 @@ def submit(
         _print_job(job, as_json)
     if wait and job.state.value != "succeeded":
         raise typer.Exit(1)
+
+
+def _absolute(uri: str) -> str:
+    """A local path as an absolute one (a URI with a scheme is left as it is)."""
+    import os
+    import re
+
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", uri):
+        return uri
+    return os.path.abspath(os.path.expanduser(uri))
 
 
 def _check_job(spec: dict[str, Any]) -> None:

@@ -1,21 +1,28 @@
-"""``make demo``: a TP=4 -> TP=2 conversion through the control plane, end to end.
+"""``make demo``: a TP=8 -> TP=2 conversion through the control plane, end to end.
 
-1. build a small TP=4 checkpoint (a Llama-shaped state dict, column/row-parallel);
-2. start ``reshard-server`` on a free loopback port (token, roots, SQLite in a temp dir);
-3. ``reshard submit ... --mesh tp=2 --workers 2 --wait`` — two gloo workers, progress bar;
+1. build a small TP=8 checkpoint ``ckpt-tp8`` (Llama-shaped, column/row-parallel, a fused
+   QKV as strided shards) in the demo folder (``reshard-demo/`` unless ``--dir``);
+2. start ``reshard-server`` on a free loopback port (token, roots, SQLite in that folder);
+3. ``reshard submit ckpt-tp8 ckpt-tp2 --mesh tp=2 --workers 2 --wait`` — two gloo
+   workers, progress bar;
 4. ``reshard verify`` and ``reshard inspect`` the result, and check it bit for bit;
-5. stop the server.
+5. stop the server, keep the folder (the README's CLI examples run in it) and say where.
+
+A second run clears only what the first one made there (``ckpt-tp8``, ``ckpt-tp2`` and
+the server's state); anything else in the folder stays.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 import httpx
 from rich.console import Console
@@ -53,7 +60,7 @@ def build_source(path: str) -> dict:
         sd[p + "feed_forward.w13.weight"] = torch.randn(2 * f, h, generator=g).to(torch.bfloat16)
         sd[p + "feed_forward.w2.weight"] = torch.randn(h, f, generator=g).to(torch.bfloat16)
         sd[p + "attention_norm.weight"] = torch.ones(h)
-    reshard_svc.save({"model": sd, "step": 1000}, path + "-plain")
+    reshard_svc.save({"model": sd, "step": 1000}, path + "-plain", overwrite=True)
     rules = {
         "*.wqkv.weight": "SS(0,3)",  # fused QKV: strided, three boxes per rank
         "*.w13.weight": "SS(0,2)",
@@ -62,76 +69,103 @@ def build_source(path: str) -> dict:
         "*norm*": "R",
         "*": "S(0)",
     }
-    reshard_svc.convert(path + "-plain", path, mesh="tp=4", rules=rules)
+    reshard_svc.convert(path + "-plain", path, mesh="tp=8", rules=rules)
+    shutil.rmtree(path + "-plain")
     return {"model." + k: t for k, t in sd.items()}
 
 
-def main() -> int:
+MARKER = ".reshard-demo"
+OWN = ("ckpt-tp8", "ckpt-tp2", "ckpt-tp8-plain", "server")
+
+
+def prepare(folder: Path) -> None:
+    """The demo folder, with what an earlier demo made there cleared (nothing else)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / MARKER).exists():
+        for name in OWN:
+            shutil.rmtree(folder / name, ignore_errors=True)
+            for leftover in folder.glob(f".{name}.*"):  # a killed run's staging or lease
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink()
+    elif any(n.name in OWN for n in folder.iterdir()):
+        raise SystemExit(f"{folder} holds {', '.join(OWN)}-like folders the demo did not make: "
+                         "pass --dir to use another folder")  # fmt: skip
+    (folder / MARKER).write_text("made by `make demo` (python -m reshard_client.demo)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m reshard_client.demo", description=__doc__)
+    ap.add_argument("--dir", default="reshard-demo", help="the demo folder (kept afterwards)")
+    folder = Path(ap.parse_args(argv).dir).resolve()
+    prepare(folder)
     py = sys.executable
-    with tempfile.TemporaryDirectory(prefix="reshard-demo-") as tmp:
-        token = secrets.token_hex(16)
-        port = free_port()
-        env = {
-            **os.environ,
-            "RESHARD_URL": f"http://127.0.0.1:{port}",
-            "RESHARD_TOKEN": token,
-            "RESHARD_ROOTS": tmp,
-            "RESHARD_DB": f"{tmp}/server/jobs.db",
-            "RESHARD_DATA_DIR": f"{tmp}/server",
-            "RESHARD_POLL_INTERVAL_S": "0.1",
-            "OMP_NUM_THREADS": "1",
-        }
-        src, dst = f"{tmp}/ckpt-tp4", f"{tmp}/ckpt-tp2"
+    token = secrets.token_hex(16)
+    port = free_port()
+    env = {
+        **os.environ,
+        "RESHARD_URL": f"http://127.0.0.1:{port}",
+        "RESHARD_TOKEN": token,
+        "RESHARD_ROOTS": str(folder),
+        "RESHARD_DB": f"{folder}/server/jobs.db",
+        "RESHARD_DATA_DIR": f"{folder}/server",
+        "RESHARD_POLL_INTERVAL_S": "0.1",
+        "OMP_NUM_THREADS": "1",
+    }
+    src, dst = f"{folder}/ckpt-tp8", f"{folder}/ckpt-tp2"
 
-        step("Building a small TP=4 checkpoint (fused QKV as strided shards)")
-        want = build_source(src)
-        run([py, "-m", "reshard_client.cli", "inspect", src], env)
+    step("Building a small TP=8 checkpoint (fused QKV as strided shards)")
+    want = build_source(src)
+    run([py, "-m", "reshard_client.cli", "inspect", src], env)
 
-        step(f"Starting reshard-server on 127.0.0.1:{port}")
-        server = subprocess.Popen(
-            [py, "-m", "reshard_server.main", "--port", str(port), "--log-level", "warning"],
-            env=env,
+    step(f"Starting reshard-server on 127.0.0.1:{port}")
+    server = subprocess.Popen(
+        [py, "-m", "reshard_server.main", "--port", str(port), "--log-level", "warning"], env=env
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("reshard-server did not start")
+            time.sleep(0.2)
+
+        step("Submitting TP=8 -> TP=2 on 2 gloo workers, following progress")
+        run([py, "-m", "reshard_client.cli", "submit", src, dst, "--mesh", "tp=2",
+             "--workers", "2", "--wait"], env)  # fmt: skip
+        run([py, "-m", "reshard_client.cli", "jobs"], env)
+
+        step("Verifying the result (coverage, headers, block CRC32Cs) and comparing every tensor")
+        run([py, "-m", "reshard_client.cli", "verify", dst], env)
+        run([py, "-m", "reshard_client.cli", "inspect", dst], env)
+        import torch
+
+        import reshard_svc
+
+        out = {k: torch.zeros_like(v) for k, v in want.items()}
+        reshard_svc.load(out, dst, strict=False)
+        same = all(torch.equal(out[k], want[k]) for k in want)
+        console.print(
+            f"{len(want)} tensors bitwise equal to the originals: "
+            + ("[green]yes[/]" if same else "[red]NO[/]")
         )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("reshard-server did not start")
-                time.sleep(0.2)
-
-            step("Submitting TP=4 -> TP=2 on 2 gloo workers, following progress")
-            run([py, "-m", "reshard_client.cli", "submit", src, dst, "--mesh", "tp=2",
-                 "--workers", "2", "--wait"], env)  # fmt: skip
-            run([py, "-m", "reshard_client.cli", "jobs"], env)
-
-            step(
-                "Verifying the result (coverage, headers, block CRC32Cs) and comparing every tensor"
-            )
-            run([py, "-m", "reshard_client.cli", "verify", dst], env)
-            run([py, "-m", "reshard_client.cli", "inspect", dst], env)
-            import torch
-
-            import reshard_svc
-
-            out = {k: torch.zeros_like(v) for k, v in want.items()}
-            reshard_svc.load(out, dst, strict=False)
-            same = all(torch.equal(out[k], want[k]) for k in want)
-            console.print(
-                f"{len(want)} tensors bitwise equal to the originals: "
-                + ("[green]yes[/]" if same else "[red]NO[/]")
-            )
-            if not same:
-                return 1
-        finally:
-            step("Stopping the server")
-            server.terminate()
-            server.wait(30)
+        if not same:
+            return 1
+    finally:
+        step("Stopping the server")
+        server.terminate()
+        server.wait(30)
     console.print("[bold green]demo finished[/]")
+    console.print(
+        f"The checkpoints are kept in [bold]{folder}[/] (ckpt-tp8, ckpt-tp2): the README's CLI "
+        f"examples run there: cd {folder} && reshard inspect ckpt-tp8",
+        highlight=False,
+    )
     return 0
 
 

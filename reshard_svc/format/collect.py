@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from reshard_svc.errors import CheckpointError
+from reshard_svc.format.hf import HF_INDEX, check_model_folder, model_weights
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
-from reshard_svc.format.sources import HF_INDEX
 from reshard_svc.storage import open_storage
 from reshard_svc.storage.base import CollectReport, Committer, LeaseState, LeaseStore, Storage
 from reshard_svc.storage.leases import Lease, LeaseRecord, parse
@@ -45,16 +45,18 @@ class Target(Storage, Committer, LeaseStore, Protocol):
     """A backend seen whole: bytes, commits and its lease (every backend is all three)."""
 
 
-def replaced_files(storage: Storage) -> set[str]:
+def replaced_files(storage: Storage, model_folder: bool = False) -> set[str]:
     """The files a commit at ``storage`` replaces: the committed checkpoint's data files
-    and index (and its HF index, if it is an HF export). Empty when nothing is committed."""
+    and index (and its HF index, if it is an HF export); into a model folder
+    (``model_folder``), its weight files too. Empty when nothing is committed."""
+    files = model_weights(storage) if model_folder else set()
     if not storage.exists(INDEX_NAME):
-        return set()
+        return files
     try:
         index = CheckpointIndex.loads(storage.read(INDEX_NAME))
     except CheckpointError:
-        return {INDEX_NAME}
-    files = set(index.files) | {INDEX_NAME}
+        return files | {INDEX_NAME}
+    files |= set(index.files) | {INDEX_NAME}
     if index.tensors and all(t.layout is None for t in index.tensors.values()):
         files.add(HF_INDEX)  # an HF export: its model.safetensors.index.json is ours
     return files
@@ -97,10 +99,14 @@ class TargetRun:
     raises :class:`TargetBusyError`), checks the target under it, collects what dead runs
     left, and then commits or aborts.
 
-    Created by rank 0 only, before any rank writes a data file.
+    ``model_folder``: the target may be a Hugging Face model folder (an HF export): its
+    config, tokenizer and other files stay; existing weights are replaced only with
+    ``overwrite``. Created by rank 0 only, before any rank writes a data file.
     """
 
-    def __init__(self, storage: Storage, kind: str, overwrite: bool = False) -> None:
+    def __init__(
+        self, storage: Storage, kind: str, overwrite: bool = False, model_folder: bool = False
+    ) -> None:
         target: Any = storage
         self.storage: Target = target
         self.token = uuid.uuid4().hex
@@ -110,12 +116,15 @@ class TargetRun:
 
         self.lease = Lease.acquire(target, storage.uri, self.token, kind, on_stale)
         try:
-            target.check_target(overwrite)  # under the lease: nobody commits meanwhile
+            # under the lease: nobody commits meanwhile
+            target.check_target(overwrite, foreign_ok=model_folder)
+            if model_folder:
+                check_model_folder(target, overwrite)
             try:
                 _collect_orphans(target, {self.token}, CollectReport(), dry_run=False)
             except Exception:  # housekeeping never fails the run itself
                 logger.warning("could not collect leftovers at %s", storage.uri, exc_info=True)
-            self.replaced = replaced_files(target)
+            self.replaced = replaced_files(target, model_folder)
         except BaseException:
             self.lease.release()
             raise

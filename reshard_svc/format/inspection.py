@@ -125,15 +125,7 @@ def verify(
     for t in index.tensors.values():
         for c in t.chunks:
             by_file.setdefault(c.file, []).append((t, c))
-    total = sum(m.size for m in index.files.values())
-    lock = threading.Lock()
-    done = [0]
-
-    def advance(n: int) -> None:
-        with lock:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
+    advance = _Tally(sum(m.size for m in index.files.values()), progress)
 
     # Structure first (sizes, headers), then the data: spans of blocks (or whole files
     # when a sha256 must be computed in order) on a thread pool; CRC32C, sha256 and
@@ -178,6 +170,20 @@ def verify(
     for name in names:
         report.problems.extend(problems[name])
     return report
+
+
+class _Tally:
+    """Bytes checked so far, from several threads, reported to ``progress(done, total)``."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.total, self.progress, self.done = total, progress, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            if self.progress is not None:
+                self.progress(self.done, self.total)
 
 
 def _verify_structure(

@@ -22,6 +22,7 @@ from reshard_svc.errors import (
     MissingFileError,
     NotACheckpointError,
 )
+from reshard_svc.format.hf import HF_INDEX
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import ParsedHeader, parse_header
 from reshard_svc.layout import Box
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 #: uncommitted save and must not be mistaken for a foreign checkpoint.
 SAVE_TOKEN_KEY = "RESHARD_SAVE"
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
-HF_INDEX = "model.safetensors.index.json"
 _PROBE = 64 * 1024
 
 

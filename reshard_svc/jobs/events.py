@@ -18,6 +18,8 @@ import os
 import random
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 from reshard_svc.plan.spec import check_event
@@ -90,45 +92,55 @@ class EventReporter:
             self._thread.join(self.final_timeout_s + 5)
 
     def _run(self) -> None:
-        import httpx
-
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per event in job logs
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         deadline: float | None = None
-        with httpx.Client(timeout=10.0, headers=headers) as http:
-            while True:
-                with self._cond:
-                    while not self._pending and not self._closing:
-                        self._cond.wait()
-                    if not self._pending:
-                        return
-                    if self._closing and deadline is None:
-                        deadline = time.monotonic() + self.final_timeout_s
-                    event = self._pending[0]
-                if self._post(http, event, deadline):
-                    self.posted += 1
-                else:
-                    self.dropped += 1
-                with self._cond:
-                    if self._pending and self._pending[0] is event:
-                        self._pending.pop(0)
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                if self._closing and deadline is None:
+                    deadline = time.monotonic() + self.final_timeout_s
+                event = self._pending[0]
+            if self._post(event, deadline):
+                self.posted += 1
+            else:
+                self.dropped += 1
+            with self._cond:
+                if self._pending and self._pending[0] is event:
+                    self._pending.pop(0)
 
-    def _post(self, http: Any, event: dict[str, Any], deadline: float | None) -> bool:
+    def _send(self, event: dict[str, Any]) -> tuple[int, str]:
+        """One POST of ``event`` (the standard library: the worker needs no HTTP client):
+        (status, the start of the body)."""
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(
+            str(self.url), data=json.dumps(event).encode(), headers=headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10.0) as response:  # noqa: S310
+                return int(response.status), ""
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read(200).decode(errors="replace")
+
+    def _post(self, event: dict[str, Any], deadline: float | None) -> bool:
         """POST with backoff; progress gives up after a few tries, final events at close."""
         delay, tries = 0.2, 0
         while True:
             tries += 1
             try:
-                r = http.post(self.url, json=event)
-                if r.status_code < 300:
+                status, body = self._send(event)
+                if status < 300:
                     return True
-                if r.status_code not in _RETRYABLE:
+                if status not in _RETRYABLE:
                     logger.warning(
                         "callback %s refused the %s event: %d %s",
-                        self.url, event["event"], r.status_code, r.text[:200],
+                        self.url, event["event"], status, body,
                     )  # fmt: skip
                     return False
-                why = f"HTTP {r.status_code}"
+                why = f"HTTP {status}"
             except Exception as e:  # connection refused/reset, timeouts: retry
                 why = f"{type(e).__name__}: {e}"
             final = event["event"] != "progress"

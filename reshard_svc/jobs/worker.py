@@ -1,4 +1,4 @@
-"""torchrun entry point: ``torchrun ... -m reshard_svc.worker convert SRC DST [options]``.
+"""The worker: ``torchrun ... -m reshard_svc.worker convert SRC DST [options]``.
 
 Every worker runs :func:`reshard_svc.convert`; the backend is NCCL when CUDA is available
 and gloo otherwise (same code path). Any launch torchrun supports works: ``--standalone``
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any, NoReturn
@@ -30,28 +31,51 @@ __all__ = ["build_parser", "main", "process_main"]
 logger = logging.getLogger("reshard_svc.worker")
 
 
+#: The launcher's pid, when it started the workers itself (``reshard convert --workers N``).
+PARENT_ENV = "RESHARD_PARENT_PID"
+
+
 def _die_with_parent() -> None:
-    """Exit when torchrun (our parent) dies: no orphans, no late commit.
+    """Exit when our launcher (torchrun, or the ``reshard`` CLI) dies: no orphans, no late
+    commit.
 
     ``PR_SET_PDEATHSIG`` only covers a parent that dies *after* the call, and this process
-    ran for seconds (importing torch) before it; so a parent that is no longer torchrun
-    (we were re-parented) means it already died, and we exit now.
+    ran for a while (starting Python) before it; so a parent that is no longer the
+    launcher (we were re-parented) means it already died, and we exit now.
     """
     import ctypes
-    import signal
 
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-            parent = f.read()
-    except OSError:
-        parent = b""
-    if b"torch.distributed.run" not in parent and b"torchrun" not in parent:
-        logger.error("our torchrun parent is gone (now %d); exiting", os.getppid())
+    expected = os.environ.get(PARENT_ENV)
+    if expected:
+        gone = str(os.getppid()) != expected
+    else:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                parent = f.read()
+        except OSError:
+            parent = b""
+        gone = b"torch.distributed.run" not in parent and b"torchrun" not in parent
+    if gone:
+        logger.error("our launcher is gone (our parent is now %d); exiting", os.getppid())
         os._exit(1)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (what torchrun, ``scancel``, Kubernetes and a terminal's process group
+    send): raised like Ctrl-C's KeyboardInterrupt, so the run aborts cleanly — its staging
+    data and lease go — before the process ends."""
+
+
+def _stop_on_sigterm() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills at once
+        raise Interrupted(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if os.environ.get("RESHARD_JOB_ID") or os.environ.get("RESHARD_DIE_WITH_PARENT"):
         _die_with_parent()
+    _stop_on_sigterm()
     reporter = EventReporter.from_env(args.progress_file) if rank == 0 else EventReporter()
     try:
         spec = ConvertSpec.from_args(args)
@@ -87,7 +112,7 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
         import torch
         import torch.distributed as dist
 
-        from reshard_svc.runtime.convert import convert
+        from reshard_svc.runtime.convert import Conversion
 
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) >= 1
     if distributed and not dist.is_initialized():
@@ -102,28 +127,17 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
         reporter.send({"event": "progress", **info.to_json()})
 
     try:
-        result = convert(
-            spec.source,
-            spec.target,
-            mesh=None if spec.mesh is None else ",".join(f"{k}={n}" for k, n in spec.mesh.items()),
-            rules=spec.rules,
-            format=spec.format,
-            dtype=spec.dtype,
-            strategy=spec.strategy,
-            max_memory=spec.max_memory,
-            max_shard_size=spec.max_shard_size,
-            progress=progress,
-            checksum=spec.checksum,
-            overwrite=spec.overwrite,
-            only=spec.only,
-            strip_prefix=spec.strip_prefix,
-        )
+        with collector_paused():
+            result = Conversion(spec).run(progress)
     except Exception as e:
         reporter.send({"event": "error", "error": f"{type(e).__name__}: {e}"})
         logger.error("rank %d: convert failed: %s: %s", rank, type(e).__name__, e)
         if dist.is_initialized():
             dist.destroy_process_group()
         return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run aborted (nothing committed)
+        reporter.send({"event": "error", "error": "Interrupted: nothing was committed"})
+        return 130
     reporter.send(
         {
             "event": "done",
@@ -133,6 +147,8 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
             "bytes_written": result.bytes_written_total,
             "bytes_exchanged": result.bytes_exchanged,
             "tensors": len(result.index.tensors),
+            "cast": result.cast,
+            "kept": result.kept,
         }
     )
     if dist.is_initialized():

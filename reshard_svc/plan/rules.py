@@ -208,6 +208,11 @@ def select_tensors(
     tensors = pick(index.tensors)
     if not tensors:
         raise UsageError("--only selects no tensor: nothing to write")
+    if strip_prefix and not any(n.startswith(strip_prefix) for n in tensors):
+        raise UsageError(
+            f"--strip-prefix {strip_prefix!r} matches no tensor name (names look like "
+            f"{next(iter(tensors))!r})"
+        )
     extras = pick(index.extras)
     blobs = pick(index.blobs)
     return CheckpointIndex(

@@ -2,12 +2,14 @@
 
 The worker (``python -m reshard_svc.worker``), the server and the CLI all speak it:
 
-- :class:`ConvertSpec` — source, target, mesh, rules, format, dtype, budgets, strategy,
-  checksum, ``nodes`` × ``workers_per_node``. :meth:`ConvertSpec.from_json` is the only
-  place sizes, meshes and dtypes are parsed; a bad value raises :class:`UsageError` naming
-  the field.
-- :meth:`ConvertSpec.to_argv` / :meth:`ConvertSpec.from_argv` — the worker's argument list,
-  both ways (``from_argv(to_argv(s)) == s``).
+- :class:`ConvertSpec` — source, target, mesh, rules, format, dtype (and what keeps its
+  dtype), budgets, strategy, checksum, ``nodes`` × ``workers_per_node``.
+  :meth:`ConvertSpec.checked` is the only place sizes, meshes, dtypes and choices are
+  parsed; a bad value raises :class:`UsageError` naming the field. ``runtime.convert``
+  runs a spec (``Conversion(spec)``), the server stores one, the CLI builds one.
+- :meth:`ConvertSpec.worker_argv` / :meth:`ConvertSpec.from_argv` — the worker's command
+  line, both ways (``from_argv(worker_argv(s)[2:]) == s``); every launcher starts the
+  worker with it.
 - Progress events — ``progress``, ``done`` and ``error`` records (:func:`check_event`),
   written as JSON lines (:func:`read_events` tolerates a half-written last line) and posted
   to the server by :mod:`reshard_svc.jobs.events`.
@@ -23,6 +25,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,10 @@ __all__ = [
     "EVENT_KINDS",
     "FORMATS",
     "STRATEGIES",
+    "WORKER_MODULE",
     "ConvertSpec",
+    "Format",
+    "Strategy",
     "check_event",
     "format_mesh",
     "check_count",
@@ -47,9 +53,29 @@ __all__ = [
     "read_events",
 ]
 
-FORMATS = ("native", "hf")
-STRATEGIES = ("auto", "exchange", "direct")
+
+class Format(StrEnum):
+    """What a conversion writes: our format, or one consolidated Hugging Face folder."""
+
+    NATIVE = "native"
+    HF = "hf"
+
+
+class Strategy(StrEnum):
+    """How a conversion reads: each stored byte once and the rest moved between workers
+    (``exchange``), each worker reading what it needs (``direct``), or the cheaper of the
+    two under the storage's cost model (``auto``)."""
+
+    AUTO = "auto"
+    EXCHANGE = "exchange"
+    DIRECT = "direct"
+
+
+FORMATS = tuple(f.value for f in Format)
+STRATEGIES = tuple(s.value for s in Strategy)
 CHECKSUMS = ("crc32c", "sha256", "none")
+#: The module every launcher runs on every worker (``python -m reshard_svc.worker``).
+WORKER_MODULE = "reshard_svc.worker"
 #: What ``dtype`` may cast floating-point tensors to (short name -> accepted spellings).
 DTYPES = {
     "bf16": ("bf16", "bfloat16"),
@@ -204,6 +230,16 @@ def _globs(value: Any) -> list[str] | None:
     return [str(_text("only", g)) for g in value]
 
 
+def _keep_globs(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or len(value) > 1000:
+        raise UsageError("keep_dtype must be a tensor-name glob or a list of at most 1000 globs")
+    return [str(_text("keep_dtype", g)) for g in value] or None
+
+
 def _uri(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or len(value) > 4096 or "\0" in value:
         raise UsageError(f"{name} must be a path or URI (1 to 4096 characters)")
@@ -218,9 +254,11 @@ class ConvertSpec:
     target: str
     mesh: dict[str, int] | None = None
     rules: dict[str, str | list[str]] | None = None
-    format: str = "native"
+    format: Format = Format.NATIVE
     dtype: str | None = None
-    strategy: str = "auto"
+    #: tensor-name globs whose dtype a cast leaves alone (0-dim scalars never cast)
+    keep_dtype: list[str] | None = None
+    strategy: Strategy = Strategy.AUTO
     checksum: str = "crc32c"
     max_memory: str | None = None
     max_shard_size: str | None = None
@@ -229,6 +267,8 @@ class ConvertSpec:
     overwrite: bool = False
     only: list[str] | None = None
     strip_prefix: str | None = None
+    #: an HF export copies the source's config and tokenizer files (when it has them)
+    copy_config: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -245,19 +285,23 @@ class ConvertSpec:
         per_node = check_count("workers_per_node", self.workers_per_node, 4096)
         if nodes * per_node > MAX_WORKERS:
             raise UsageError(f"nodes × workers_per_node = {nodes * per_node} exceeds {MAX_WORKERS}")
+        if self.keep_dtype and not self.dtype:
+            raise UsageError("keep_dtype (--keep-dtype) only matters with a dtype (--dtype) cast")
         return replace(
             self,
             source=_uri("source", self.source),
             target=_uri("target", self.target),
             mesh=parse_mesh(self.mesh),
             rules=parse_rules(self.rules),
-            format=_choice("format", self.format, FORMATS),
+            format=Format(_choice("format", self.format, FORMATS)),
             dtype=parse_dtype(self.dtype),
-            strategy=_choice("strategy", self.strategy, STRATEGIES),
+            keep_dtype=_keep_globs(self.keep_dtype),
+            strategy=Strategy(_choice("strategy", self.strategy, STRATEGIES)),
             checksum=_choice("checksum", self.checksum, CHECKSUMS),
             overwrite=_flag("overwrite", self.overwrite),
             only=_globs(self.only),
             strip_prefix=_text("strip_prefix", self.strip_prefix),
+            copy_config=_flag("copy_config", self.copy_config),
         )
 
     @classmethod
@@ -291,18 +335,53 @@ class ConvertSpec:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("extra")
+        out["format"], out["strategy"] = str(self.format), str(self.strategy)
         out["workers"] = self.workers
         return out
 
+    # ---- checks that need no worker
+
+    def check_paths(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        """A :class:`UsageError` when the source and the target are the same folder."""
+        from reshard_svc.storage import open_storage
+
+        a = open_storage(self.source, storage_options)
+        b = open_storage(self.target, storage_options)
+        if type(a) is type(b) and a.root.rstrip("/") == b.root.rstrip("/"):
+            raise UsageError(
+                f"source and target are the same folder ({self.source}): convert into a new target"
+            )
+
+    def preflight(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        """What can be refused before any worker starts: the same folder twice, a
+        committed target without ``overwrite``, a folder that is not a checkpoint, a model
+        folder's weights without ``overwrite``. (The run checks the target again, under
+        its lease.)"""
+        from reshard_svc.format.hf import check_model_folder
+        from reshard_svc.storage import open_storage
+
+        self.check_paths(storage_options)
+        target: Any = open_storage(self.target, storage_options)
+        hf = self.format == Format.HF
+        target.check_target(self.overwrite, foreign_ok=hf)
+        if hf:
+            check_model_folder(target, self.overwrite)
+
     # ---- the worker's argument list, both ways
 
-    def to_argv(self, **options: str | None) -> list[str]:
-        """``convert SRC DST --flag value ...`` for ``python -m reshard_svc.worker``.
+    def worker_argv(self, **options: str | None) -> list[str]:
+        """``-m reshard_svc.worker convert SRC DST --flag value ...``: what every launcher
+        runs on every worker (after ``python``, or after ``torchrun`` and its options).
 
         ``options`` are per-run extras such as ``progress_file``.
         """
-        argv = ["convert", self.source, self.target, "--format", self.format,
-                "--strategy", self.strategy, "--checksum", self.checksum]  # fmt: skip
+        return ["-m", WORKER_MODULE, *self.to_argv(**options)]
+
+    def to_argv(self, **options: str | None) -> list[str]:
+        """``convert SRC DST --flag value ...``: the worker's arguments (see
+        :meth:`worker_argv`)."""
+        argv = ["convert", self.source, self.target, "--format", str(self.format),
+                "--strategy", str(self.strategy), "--checksum", self.checksum]  # fmt: skip
         if self.mesh:
             argv += ["--mesh", format_mesh(self.mesh)]
         if self.rules:
@@ -311,6 +390,10 @@ class ConvertSpec:
             argv.append("--overwrite")
         for glob in self.only or ():
             argv += ["--only", glob]
+        for glob in self.keep_dtype or ():
+            argv += ["--keep-dtype", glob]
+        if not self.copy_config:
+            argv.append("--no-copy-config")
         for flag, value in (
             ("--dtype", self.dtype),
             ("--max-memory", self.max_memory),
@@ -353,6 +436,7 @@ class ConvertSpec:
             max_memory=args.max_memory, max_shard_size=args.max_shard_size,
             nodes=nodes, workers_per_node=workers_per_node,
             overwrite=args.overwrite, only=args.only, strip_prefix=args.strip_prefix,
+            keep_dtype=args.keep_dtype, copy_config=not args.no_copy_config,
             extra={"progress_file": args.progress_file},
         ).checked()  # fmt: skip
 
@@ -390,6 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--strip-prefix", metavar="PREFIX",
                    help="drop this prefix from tensor names, e.g. 'model.'")  # fmt: skip
+    c.add_argument("--keep-dtype", action="append", metavar="GLOB",
+                   help="with --dtype: leave tensors matching this glob as they are (repeatable)")  # fmt: skip
+    c.add_argument("--no-copy-config", action="store_true",
+                   help="--format hf: do not copy the source's config and tokenizer files")  # fmt: skip
     c.add_argument("--progress-file", help="rank 0 appends JSON progress lines here")
     return ap
 
@@ -410,6 +498,12 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 
 
+#: Fields an event may carry: a done event says how many tensors a cast changed or kept.
+_OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "done": {"cast": int, "kept": int},
+}
+
+
 def check_event(record: Any) -> dict[str, Any]:
     """A well-formed event (``event`` in :data:`EVENT_KINDS` with its fields), or UsageError."""
     if not isinstance(record, Mapping):
@@ -418,8 +512,11 @@ def check_event(record: Any) -> dict[str, Any]:
     if kind not in _EVENT_FIELDS:
         raise UsageError(f"event {kind!r} must be one of {', '.join(EVENT_KINDS)}")
     out: dict[str, Any] = {"event": kind}
-    for name, typ in _EVENT_FIELDS[kind].items():
+    optional = _OPTIONAL_FIELDS.get(kind, {})
+    for name, typ in {**_EVENT_FIELDS[kind], **optional}.items():
         value = record.get(name)
+        if name in optional and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, typ):
             raise UsageError(f"{kind} event: {name} is missing or not a {typ}")
         if isinstance(value, int | float) and value < 0:

@@ -140,7 +140,7 @@ class AsyncSaver:
         if reuse:
             self._buffers = staged
 
-    def _fork_writer(self, prep: PreparedSave, rank: int) -> Callable[[], list[Any]]:
+    def _fork_writer(self, prep: PreparedSave, rank: int) -> Callable[[], dict[str, Any]]:
         """Fork a process that writes this rank's files from the copy-on-write snapshot.
 
         Returns a function (run by the background thread) that waits for the writer and
@@ -165,7 +165,7 @@ class AsyncSaver:
             os._exit(code)
         os.close(write_fd)
 
-        def collect() -> list[Any]:
+        def collect() -> dict[str, Any]:
             chunks = []
             with os.fdopen(read_fd, "rb") as f:
                 while block := f.read(1 << 16):

@@ -319,7 +319,7 @@ def _write_band(
         rows = min(step, shape[0] - first)
         chunk = buf[: rows * row].view(dtype).view(rows, shape[1])
         _gather(shape, pieces, chunk, first)  # torch copies release the GIL
-        out.write(memoryview(buf[: rows * row].numpy()))
+        out.write(tensor_bytes(buf[: rows * row]))
 
 
 def _write_raw(

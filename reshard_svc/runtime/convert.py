@@ -16,6 +16,7 @@ commit. The pure plans live in :mod:`reshard_svc.plan.output` and
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -26,12 +27,12 @@ import torch
 
 from reshard_svc._collector import collector_paused
 from reshard_svc._version import __version__
-from reshard_svc.errors import LayoutError, UsageError
+from reshard_svc.errors import UsageError
 from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, check_algorithm
 from reshard_svc.format.collect import TargetRun
+from reshard_svc.format.hf import HF_INDEX
 from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name
-from reshard_svc.format.sources import HF_INDEX
 from reshard_svc.layout import Box, Mesh
 from reshard_svc.plan.output import (
     DEFAULT_SHARD_SIZE,
@@ -41,14 +42,14 @@ from reshard_svc.plan.output import (
     target_bands,
 )
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
-from reshard_svc.plan.rules import resolve_layouts, select_tensors
-from reshard_svc.plan.spec import parse_dtype, parse_size
+from reshard_svc.plan.rules import load_rules, resolve_layouts, select_tensors
+from reshard_svc.plan.spec import ConvertSpec, Format, parse_mesh, parse_size
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.executor import Progress, execute
 from reshard_svc.runtime.load import open_shared
 from reshard_svc.runtime.reading import StorageSource
-from reshard_svc.runtime.writers import BandSink, FileWriter, copy_blobs
+from reshard_svc.runtime.writers import BandSink, FileWriter, copy_blobs, copy_model_files
 from reshard_svc.storage import open_storage
 
 __all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
@@ -56,23 +57,6 @@ __all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONVERT_MEMORY = 1024**3
-
-
-#: What ``dtype=`` may cast floating-point tensors to.
-CAST_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
-def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        return dtype_from_name(parse_dtype(dtype))  # type: ignore[arg-type]
-    if dtype not in CAST_DTYPES:
-        raise UsageError(
-            f"dtype {dtype} would destroy floating-point weights: cast only to bf16, "
-            "fp16, fp32 or fp64 (quantize with a quantization tool instead)"
-        )
-    return dtype
 
 
 @dataclass(frozen=True)
@@ -84,16 +68,19 @@ class ConvertResult:
     bytes_exchanged: int
     bytes_written_total: int
     waves: int
+    cast: int = 0  # tensors cast to the spec's dtype
+    kept: int = 0  # floating tensors that kept theirs (0-dim, or matched by keep_dtype)
 
 
 def convert(
     src: str,
     dst: str,
     *,
-    mesh: Mesh | str | None = None,
+    mesh: Mesh | str | Mapping[str, int] | None = None,
     rules: str | Mapping[str, Any] | None = None,
     format: str = "native",
     dtype: str | torch.dtype | None = None,
+    keep_dtype: Sequence[str] | None = None,
     strategy: str = "auto",
     max_memory: int | str | None = None,
     max_shard_size: int | str | None = None,
@@ -104,66 +91,80 @@ def convert(
     overwrite: bool = False,
     only: Sequence[str] | None = None,
     strip_prefix: str | None = None,
+    copy_config: bool = True,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
 
     Called by every worker of ``process_group`` (or one process without one). ``mesh``
-    (``"tp=4"``, ``"dp=2,tp=4"``) and ``rules`` (glob -> placements) choose the target
-    layouts; ``format="hf"`` writes one consolidated HF folder instead. ``max_memory`` is
-    the per-worker byte budget for in-flight data. ``checksum`` is what the output
-    records: ``"crc32c"`` block CRCs (default), ``"sha256"`` (those plus a whole-file
-    sha256) or ``"none"``. Every source block read is checked against its CRC32C first.
-    A committed checkpoint at ``dst`` is only replaced with ``overwrite=True``. ``only``
-    (globs) keeps matching tensors, and ``strip_prefix`` drops a name prefix, e.g.
-    ``only=["model.*"], strip_prefix="model."`` for a loadable HF model folder.
+    (``"tp=4"``, ``"dp=2,tp=4"``: named dims) and ``rules`` (glob -> placements) choose
+    the target layouts; ``format="hf"`` writes one consolidated HF folder instead (into a
+    model folder, whose config and tokenizer files stay; ``copy_config`` copies the
+    source's). ``dtype`` casts floating-point tensors of one or more dims (0-dim scalars,
+    such as an optimizer's ``step``, and names matching a ``keep_dtype`` glob keep theirs).
+    ``max_memory`` is the per-worker byte budget for in-flight data. ``checksum`` is what
+    the output records: ``"crc32c"`` block CRCs (default), ``"sha256"`` (those plus a
+    whole-file sha256) or ``"none"``. Every source block read is checked against its
+    CRC32C first. A committed checkpoint at ``dst`` is only replaced with
+    ``overwrite=True``. ``only`` (globs) keeps matching tensors, and ``strip_prefix``
+    drops a name prefix, e.g. ``only=["model.*"], strip_prefix="model."``.
+
+    The arguments make one :class:`~reshard_svc.plan.spec.ConvertSpec` (the job contract
+    the CLI, the server and the worker use too), checked in one place.
     """
-    conversion = Conversion(
-        src, dst, mesh=mesh, rules=rules, format=format, dtype=dtype, strategy=strategy,
-        max_memory=max_memory, max_shard_size=max_shard_size, process_group=process_group,
-        storage_options=storage_options, checksum=checksum, overwrite=overwrite, only=only,
-        strip_prefix=strip_prefix,
-    )  # fmt: skip
+    spec = ConvertSpec(
+        source=src, target=dst, mesh=_mesh_names(mesh),
+        rules=dict(load_rules(rules)) if rules is not None else None,
+        format=format, dtype=_dtype_name(dtype),  # type: ignore[arg-type]
+        keep_dtype=list(keep_dtype) if keep_dtype else None, strategy=strategy,  # type: ignore[arg-type]
+        checksum=check_algorithm(checksum), max_memory=_size_text(max_memory),
+        max_shard_size=_size_text(max_shard_size), overwrite=overwrite,
+        only=list(only) if only else None, strip_prefix=strip_prefix, copy_config=copy_config,
+    ).checked()  # fmt: skip
+    conversion = Conversion(spec, process_group=process_group, storage_options=storage_options)
     with collector_paused():  # see reshard_svc._collector: no full collection mid-run
         return conversion.run(progress)
 
 
+def _mesh_names(mesh: Mesh | str | Mapping[str, int] | None) -> dict[str, int] | None:
+    if mesh is None or isinstance(mesh, Mapping):
+        return parse_mesh(mesh)
+    m = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
+    if m.names is None:
+        raise UsageError(f"mesh {m}: name every dim, e.g. tp=4 or dp=2,tp=4")
+    return dict(zip(m.names, m.shape))
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def _size_text(size: int | str | None) -> str | None:
+    return None if size is None else str(size)
+
+
 class Conversion:
-    """One conversion on this worker, as named steps. Every step that can fail runs
-    through ``comm.run_everywhere``, so all workers fail together and none is left in a
+    """One conversion on this worker, as named steps over one checked
+    :class:`~reshard_svc.plan.spec.ConvertSpec`. Every step that can fail runs through
+    ``comm.run_everywhere``, so all workers fail together and none is left in a
     collective its peers abandoned; any failure before the commit drops the staging data.
     """
 
     def __init__(
         self,
-        src: str,
-        dst: str,
+        spec: ConvertSpec,
         *,
-        mesh: Mesh | str | None,
-        rules: str | Mapping[str, Any] | None,
-        format: str,
-        dtype: str | torch.dtype | None,
-        strategy: str,
-        max_memory: int | str | None,
-        max_shard_size: int | str | None,
-        process_group: Any,
-        storage_options: Mapping[str, Any] | None,
-        checksum: str | bool,
-        overwrite: bool,
-        only: Sequence[str] | None,
-        strip_prefix: str | None,
+        process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.algorithm = check_algorithm(checksum)
-        if format not in ("native", "hf"):
-            raise UsageError(f"format must be 'native' or 'hf', got {format!r}")
-        if strategy not in ("auto", "exchange", "direct"):
-            raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
-        self.src, self.dst, self.mesh, self.rules = src, dst, mesh, rules
-        self.format, self.strategy, self.overwrite = format, strategy, overwrite
-        self.budget = parse_size(max_memory, "max_memory") or DEFAULT_CONVERT_MEMORY
-        self.shard_cap = parse_size(max_shard_size, "max_shard_size") or DEFAULT_SHARD_SIZE
-        self.out_dtype = _cast_dtype(dtype)
+        self.spec = spec
+        self.budget = parse_size(spec.max_memory, "max_memory") or DEFAULT_CONVERT_MEMORY
+        self.shard_cap = parse_size(spec.max_shard_size, "max_shard_size") or DEFAULT_SHARD_SIZE
+        self.out_dtype = dtype_from_name(spec.dtype) if spec.dtype else None
+        self.mesh = Mesh(tuple(spec.mesh.values()), tuple(spec.mesh)) if spec.mesh else None
         self.comm = Comm(process_group)
-        self.storage_options, self.only, self.strip_prefix = storage_options, only, strip_prefix
+        self.storage_options = storage_options
         self.run_: TargetRun | None = None
         self.writers: dict[str, FileWriter] = {}
 
@@ -189,7 +190,7 @@ class Conversion:
         self.comm.run_everywhere("convert: commit", lambda: self.commit(out, index))
         return ConvertResult(
             index, chosen, bytes_read, sum(r[0] for r in results), plan.bytes_exchanged(),
-            sum(f.size for f in index.files.values()), len(plan.waves),
+            sum(f.size for f in index.files.values()), len(plan.waves), self.cast, self.kept,
         )  # fmt: skip
 
     # ---- steps
@@ -197,41 +198,34 @@ class Conversion:
     def open(self) -> None:
         """Open the source (rank 0 reads its index, all share it) and the target; rank 0
         checks the target and takes its lease."""
-        self.storage, index = open_shared(self.src, self.comm, self.storage_options)
-        self.index = select_tensors(index, self.only, self.strip_prefix)
-        self.target = open_storage(self.dst, self.storage_options)
-        if self.target.uri.rstrip("/") == self.storage.uri.rstrip("/"):
-            raise LayoutError("source and target are the same folder: convert into a new target")
+        spec = self.spec
+        spec.check_paths(self.storage_options)
+        self.storage, index = open_shared(spec.source, self.comm, self.storage_options)
+        self.index = select_tensors(index, spec.only, spec.strip_prefix)
+        self.target = open_storage(spec.target, self.storage_options)
+        native = spec.format == Format.NATIVE
+        self.layouts = resolve_layouts(self.index, self.mesh, spec.rules) if native else {}
 
-        def prepare() -> dict[str, Any]:
-            native = self.format == "native"
-            self.layouts = resolve_layouts(self.index, self.mesh, self.rules) if native else {}
-            if self.comm.rank == 0:
-                self.run_ = TargetRun(self.target, "convert", self.overwrite)
-                return {"token": self.run_.token}
-            return {"token": ""}
+        def take_target() -> TargetRun | None:
+            if self.comm.rank != 0:
+                return None
+            return TargetRun(self.target, "convert", spec.overwrite, model_folder=not native)
 
-        try:
-            _, infos = self.comm.run_everywhere("convert: planning target layouts", prepare)
-        except BaseException:
-            if self.run_ is not None:  # another rank failed: give the target back
-                self.run_.abort(self.target.staging(self.run_.token))
-            raise
-        self.token = infos[0]["token"]
+        self.run_, tokens = self.comm.run_everywhere(
+            "convert: taking the target", take_target,
+            share=lambda run: run.token if run is not None else "",
+        )  # fmt: skip
+        self.token = tokens[0]
         self.staging = self.target.staging(self.token)
 
     def plan(self) -> tuple[OutputPlan, ReadPlan, dict[tuple[str, Box], tuple[str, int]], str]:
         """The output plan, where each target band lands, and the read plan (``auto``:
         the cheaper strategy for this source storage)."""
-        # A cast applies to floating-point tensors; integer and bool tensors (step
-        # counters, masks) keep their dtype.
-        self.dtypes = {
-            n: self.out_dtype if self.out_dtype is not None and m.dtype.is_floating_point
-            else m.dtype
-            for n, m in self.index.tensors.items()
-        }  # fmt: skip
+        self.dtypes, self.cast, self.kept = cast_dtypes(
+            self.index, self.out_dtype, self.spec.keep_dtype
+        )
         world = self.comm.world
-        if self.format == "native":
+        if self.spec.format == Format.NATIVE:
             suffix = self.staging.file_suffix
             out = plan_native(self.index, self.layouts, self.dtypes, world, self.token, suffix)
         else:
@@ -239,11 +233,12 @@ class Conversion:
         wanted, where = target_bands(out, self.index, self.budget)
         warn_if_over_budget(self.index, wanted, self.budget)
         plan = choose_plan(
-            self.index, wanted, world, self.budget, self.strategy, StorageCost.of(self.storage)
-        )
+            self.index, wanted, world, self.budget, str(self.spec.strategy),
+            StorageCost.of(self.storage),
+        )  # fmt: skip
         chosen = plan.strategy
-        logger.info("convert %s -> %s: %s strategy, %d waves", self.src, self.dst, chosen,
-                    len(plan.waves))  # fmt: skip
+        logger.info("convert %s -> %s: %s strategy, %d waves", self.spec.source,
+                    self.spec.target, chosen, len(plan.waves))  # fmt: skip
         return out, plan, where, chosen
 
     def execute(
@@ -264,7 +259,7 @@ class Conversion:
             for spec in out.files:
                 if spec.writer == self.comm.rank:
                     self.writers[spec.name] = FileWriter(
-                        self.staging, spec, background, self.algorithm
+                        self.staging, spec, background, self.spec.checksum
                     )
 
         self.comm.run_everywhere("convert: opening output files", open_writers)
@@ -282,7 +277,7 @@ class Conversion:
         return bytes_read, results
 
     def result_index(self, out: OutputPlan, results: list[Any]) -> CheckpointIndex:
-        block_size = DEFAULT_BLOCK_SIZE if self.algorithm != "none" else None
+        block_size = DEFAULT_BLOCK_SIZE if self.spec.checksum != "none" else None
         files = {
             name: FileMeta.from_written(name, size, sums, block_size)
             for r in results
@@ -296,7 +291,7 @@ class Conversion:
             files=files,
             extras=dict(self.index.extras),
             created_by=f"reshard_svc {__version__}",
-            checksum=self.algorithm,
+            checksum=self.spec.checksum,
             block_size=block_size,
         )
 
@@ -306,10 +301,11 @@ class Conversion:
         if run is None:
             return
         staging, index = self.staging, self.index
+        hf = self.spec.format == Format.HF
         try:
-            if index.blobs and self.format == "native":
+            if index.blobs and not hf:
                 name = f"opaque{staging.file_suffix}.bin"
-                meta, blobs = copy_blobs(index, self.storage, staging, name, self.algorithm)
+                meta, blobs = copy_blobs(index, self.storage, staging, name, self.spec.checksum)
                 result.files[name] = meta
                 result.blobs = blobs
             elif index.blobs:
@@ -318,11 +314,13 @@ class Conversion:
                     len(index.blobs), next(iter(index.blobs)),
                 )  # fmt: skip
             result.check()
-            if self.format == "hf":
+            if hf:
                 weight_map = {n: spec.name for spec in out.files for n, _ in spec.entries}
                 total = sum(m.nbytes for m in result.tensors.values())
                 hf_index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 staging.write(HF_INDEX, json.dumps(hf_index, indent=2).encode())
+                if self.spec.copy_config:
+                    copy_model_files(self.storage, self.target, staging)
         except BaseException:
             run.abort(staging)
             raise
@@ -331,3 +329,28 @@ class Conversion:
     def abort(self) -> None:
         if self.run_ is not None:
             self.run_.abort(self.staging)
+
+
+def cast_dtypes(
+    index: CheckpointIndex, dtype: torch.dtype | None, keep: Sequence[str] | None
+) -> tuple[dict[str, torch.dtype], int, int]:
+    """Each tensor's output dtype, and how many were cast and how many kept theirs.
+
+    A cast applies to floating-point tensors of one or more dims: 0-dim scalars (an
+    optimizer's ``step``) and names matching a ``keep`` glob keep their dtype; integer and
+    bool tensors are never cast. A ``keep`` glob that matches no tensor is a typo."""
+    for glob in keep or ():
+        if not any(fnmatch.fnmatchcase(n, glob) for n in index.tensors):
+            raise UsageError(f"--keep-dtype {glob!r} matches no tensor")
+    out: dict[str, torch.dtype] = {}
+    cast = kept = 0
+    for name, meta in index.tensors.items():
+        out[name] = meta.dtype
+        if dtype is None or not meta.dtype.is_floating_point:
+            continue
+        if not meta.shape or any(fnmatch.fnmatchcase(name, g) for g in keep or ()):
+            kept += 1
+        else:
+            out[name] = dtype
+            cast += 1
+    return out, cast, kept

@@ -32,7 +32,7 @@ import torch
 
 from reshard_svc.errors import DistributedError
 from reshard_svc.plan.items import Piece, Plan, Read, Wave
-from reshard_svc.runtime.buffers import Arena, aligned
+from reshard_svc.runtime.buffers import Arena, aligned, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 
 __all__ = ["Destination", "Progress", "ProgressInfo", "Source", "execute"]
@@ -100,10 +100,7 @@ Progress = Callable[[ProgressInfo], None]
 
 
 def _crc(t: torch.Tensor) -> int:
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return 0
-    return int(crc32c.crc32c(flat.cpu().view(torch.uint8).numpy()))
+    return int(crc32c.crc32c(tensor_bytes(t.detach().cpu().contiguous())))
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,7 @@ def prepare_save(
     state_dict: Mapping[str, Any],
     uri: str,
     comm: Comm,
-    storage: Storage,
+    storage: Any,
     checksum: str = "crc32c",
     overwrite: bool = False,
     check_replicas: bool = True,

@@ -26,6 +26,7 @@ from reshard_svc.errors import ReplicaMismatchError, StateDictError
 from reshard_svc.layout import Box, Layout, local_slices
 from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.runtime import _compat
+from reshard_svc.runtime.buffers import tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.state_dict import Leaf, LocalShard
 
@@ -103,11 +104,11 @@ def describe(leaf: Leaf) -> Placed:
                 placed.local[box] = s.tensor
         return placed
     if leaf.kind == "tensor":
-        t: torch.Tensor = value
-        shape = tuple(t.shape)
-        placed = Placed(leaf.name, t.dtype, shape, None)
+        whole: torch.Tensor = value
+        shape = tuple(whole.shape)
+        placed = Placed(leaf.name, whole.dtype, shape, None)
         if math.prod(shape):
-            placed.local[Box((0,) * t.dim(), shape)] = t
+            placed.local[Box((0,) * whole.dim(), shape)] = whole
         return placed
     raise StateDictError(f"{leaf.name!r} is not a tensor")
 
@@ -196,13 +197,13 @@ def box_crc(view: torch.Tensor) -> int:
         return 0
     view = view.detach()
     if view.dim() == 0 or (view.is_contiguous() and view.device.type == "cpu"):
-        return int(crc32c.crc32c(view.reshape(-1).view(torch.uint8).numpy()))
+        return int(crc32c.crc32c(tensor_bytes(view)))
     row = max(1, view[0].numel() * view.element_size())
     step = max(1, _BAND_BYTES // row)
     value = 0
     for i in range(0, view.shape[0], step):
         band = view[i : i + step].to("cpu").contiguous()
-        value = int(crc32c.crc32c(band.reshape(-1).view(torch.uint8).numpy(), value))
+        value = int(crc32c.crc32c(tensor_bytes(band), value))
     return value
 
 

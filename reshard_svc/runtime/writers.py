@@ -14,6 +14,7 @@ import torch
 
 from reshard_svc.errors import CheckpointError
 from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, HashingWriter
+from reshard_svc.format.hf import MODEL_FILES
 from reshard_svc.format.index import Blob, CheckpointIndex, FileMeta
 from reshard_svc.layout import Box
 from reshard_svc.plan.items import Piece, Wave
@@ -22,7 +23,7 @@ from reshard_svc.plan.save import FileSpec
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
 from reshard_svc.storage import Storage
 
-__all__ = ["BandSink", "FileWriter", "copy_blobs"]
+__all__ = ["BandSink", "FileWriter", "copy_blobs", "copy_model_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,21 @@ def copy_blobs(
             out[key] = Blob(key, name, start, writer.size, b.encoding)
     block_size = DEFAULT_BLOCK_SIZE if algorithm != "none" else None
     return FileMeta.from_written(name, writer.size, writer.result(), block_size), out
+
+
+def copy_model_files(src: Storage, target: Storage, staging: Storage) -> list[str]:
+    """Copy the source folder's config and tokenizer files (:data:`MODEL_FILES`) into an
+    HF export's staging area, except those the target folder already has (they stay)."""
+    have = set(src.listdir())
+    there = set(target.listdir())
+    copied = []
+    for name in MODEL_FILES:
+        if name in have and name not in there:
+            staging.write(name, src.read(name))
+            copied.append(name)
+    if copied:
+        logger.info("copied %s from the source", ", ".join(copied))
+    return copied
 
 
 class BandSink:

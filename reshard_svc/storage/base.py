@@ -121,9 +121,10 @@ class Committer(Protocol):
     """Publishing a checkpoint folder atomically; the coordinator calls it, holding the
     target's lease (so no two runs ever commit at once)."""
 
-    def check_target(self, overwrite: bool = False) -> None:
+    def check_target(self, overwrite: bool = False, foreign_ok: bool = False) -> None:
         """Raise TargetExistsError for a committed checkpoint unless ``overwrite``, and
-        refuse a target where saving could destroy something that is not a checkpoint."""
+        refuse a target where saving could destroy something that is not a checkpoint
+        (unless ``foreign_ok``: a model folder, whose other files stay)."""
         ...
 
     def staging(self, token: str) -> Storage: ...

@@ -200,7 +200,7 @@ class FsspecStorage:
 
     # ---- commit protocol (Committer)
 
-    def check_target(self, overwrite: bool = False) -> None:
+    def check_target(self, overwrite: bool = False, foreign_ok: bool = False) -> None:
         """Refuse to replace a committed checkpoint unless ``overwrite``. Nothing else to
         refuse: a save here only adds files and never deletes foreign ones."""
         if not overwrite and self.exists(INDEX_FILE):

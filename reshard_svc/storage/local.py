@@ -220,9 +220,9 @@ class LocalStorage(FsspecStorage):
         parent, name = os.path.split(self.root)
         return os.path.join(parent, f".{name}.{kind}" + (f"-{token}" if token else ""))
 
-    def check_target(self, overwrite: bool = False) -> None:
+    def check_target(self, overwrite: bool = False, foreign_ok: bool = False) -> None:
         """Refuse to replace a committed checkpoint (unless ``overwrite``), and to write
-        into a non-empty folder that is not one."""
+        into a non-empty folder that is not one (unless ``foreign_ok``: its files stay)."""
         if os.path.isdir(self.root):
             if os.path.exists(self.path(INDEX_NAME)):
                 if not overwrite:
@@ -231,7 +231,7 @@ class LocalStorage(FsspecStorage):
                         'overwrite=True (--overwrite, "overwrite": true) to replace it, '
                         "or pick a new target"
                     )
-            elif os.listdir(self.root):
+            elif os.listdir(self.root) and not foreign_ok:
                 raise CheckpointError(
                     f"{self.root} exists and is not a reshard checkpoint (no {INDEX_NAME}); "
                     "refusing to replace it: pick an empty or new target"
@@ -371,9 +371,9 @@ class LocalStorage(FsspecStorage):
                 if dry_run:
                     report.removed.append(old)
                 else:
-                    kept = self._drop_old(old, replaced if owner else None)
-                    report.kept += kept
-                    if not kept:
+                    left = self._drop_old(old, replaced if owner else None)
+                    report.kept += left
+                    if not left:
                         report.removed.append(old)
             else:  # crashed between the two renames, before the new one was in place
                 report.rolled_back.append(old)

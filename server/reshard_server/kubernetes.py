@@ -60,7 +60,7 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
         "image": settings.k8s_image,
         "numNodes": spec.nodes,
         "numProcPerNode": spec.workers_per_node,
-        "command": ["torchrun", "-m", "reshard_svc.worker", *launch.worker_argv()],
+        "command": ["torchrun", *launch.worker_argv()],
         "env": env,
     }
     if settings.k8s_gpus_per_node:

@@ -83,7 +83,8 @@ class Launch:
         return f"reshard-{self.job_id}-{self.attempt}"
 
     def worker_argv(self) -> list[str]:
-        return self.spec.to_argv()
+        """``-m reshard_svc.worker convert ...``: the spec's own worker command line."""
+        return self.spec.worker_argv()
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,7 @@ class LocalLauncher:
     def submit(self, launch: Launch) -> Handle:
         cmd = [
             self.python, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={launch.spec.workers_per_node}", "-m", "reshard_svc.worker",
-            *launch.worker_argv(),
+            f"--nproc-per-node={launch.spec.workers_per_node}", *launch.worker_argv(),
         ]  # fmt: skip
         launch_id = f"{launch.name}-{uuid.uuid4().hex[:8]}"
         env = {

@@ -12,7 +12,7 @@ import re
 
 from reshard_svc.errors import PathNotAllowedError
 
-__all__ = ["REMOTE_SCHEMES", "check_uri"]
+__all__ = ["REMOTE_SCHEMES", "check_uri", "relative_path"]
 
 REMOTE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "memory"})
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -42,6 +42,12 @@ def _under(path: str, root: str, strict: bool) -> bool:
     if path == root:
         return not strict
     return path.startswith(root.rstrip("/") + "/")
+
+
+def relative_path(uri: str) -> bool:
+    """A local path (no scheme, or ``file://``) that is not absolute."""
+    scheme, rest = _split(uri) if isinstance(uri, str) else ("", "")
+    return scheme in ("", "file") and bool(rest) and not os.path.isabs(rest)
 
 
 def check_uri(uri: str, roots: list[str], *, what: str = "uri", write: bool = False) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
     queued = "queued"
     running = "running"
     succeeded = "succeeded"
@@ -73,7 +73,14 @@ class JobCreate(BaseModel):
         default=None, description="tensor-name glob -> placements, first match wins"
     )
     format: Literal[FORMATS] = "native"  # type: ignore[valid-type]
-    dtype: str | None = Field(default=None, description="cast floats to bf16, fp16, fp32 or fp64")
+    dtype: str | None = Field(
+        default=None,
+        description="cast floating-point tensors of 1+ dims to bf16, fp16, fp32 or fp64 "
+        "(0-dim scalars keep theirs)",
+    )
+    keep_dtype: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        default=None, max_length=1000, description="with dtype: tensor globs that keep theirs"
+    )
     nodes: StrictInt = Field(default=1, description="nodes (torchrun agents) the job runs on")
     workers_per_node: StrictInt | None = Field(
         default=None, description="workers per node (default: workers / nodes, else 1)"
@@ -100,6 +107,9 @@ class JobCreate(BaseModel):
     )
     strip_prefix: str | None = Field(
         default=None, min_length=1, max_length=1024, description="drop this name prefix"
+    )
+    copy_config: StrictBool = Field(
+        default=True, description="an HF export copies the source's config and tokenizer files"
     )
 
     @field_validator("mesh", mode="before")

@@ -107,7 +107,7 @@ def render_script(launch: Launch, settings: Settings, python: str, log: Path) ->
         f"  {shlex.quote(python)} -m torch.distributed.run \\",
         f'  --nnodes "$SLURM_NTASKS" --nproc-per-node {per_node} \\',
         '  --rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" \\',
-        f"  -m reshard_svc.worker {worker}",
+        f"  {worker}",
         "",
     ]
     return "\n".join(lines)

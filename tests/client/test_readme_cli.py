@@ -61,7 +61,8 @@ def test_readme_cli_commands(tmp_path):
         assert r.returncode == 0, f"reshard {' '.join(argv)}: {r.stderr[-1500:]}"
         assert "Traceback" not in r.stderr
     two_d = reshard_svc.inspect(str(tmp_path / "ckpt-2d"))
-    assert two_d.tensors["model.norm.weight"].dtype == torch.bfloat16
+    assert two_d.tensors["model.layers.0.wo.weight"].dtype == torch.bfloat16
+    assert two_d.tensors["model.norm.weight"].dtype == torch.float32  # --keep-dtype '*norm*'
     assert two_d.tensors["model.layers.0.wo.weight"].layout.mesh.shape == (2, 2)
     with open(tmp_path / "model-hf" / "model.safetensors.index.json") as f:
         names = set(json.load(f)["weight_map"])

@@ -8,7 +8,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, status
@@ -18,7 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from reshard_server.api.deps import AuthDep, ManagerDep, SettingsDep, StoreDep
 from reshard_server.db import JobRow, QueueFull
 from reshard_server.jobs import token_hash
-from reshard_server.paths import check_uri
+from reshard_server.paths import check_uri, relative_path
 from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic, JobState, ProgressPublic
 from reshard_svc.errors import PathNotAllowedError, UsageError
 from reshard_svc.plan.spec import check_event
@@ -29,7 +29,7 @@ MAX_LOG_CHUNK = 1024 * 1024
 
 
 def _ts(t: float | None) -> datetime | None:
-    return datetime.fromtimestamp(t, tz=timezone.utc) if t else None
+    return datetime.fromtimestamp(t, tz=UTC) if t else None
 
 
 def to_public(job: JobRow) -> JobPublic:
@@ -79,6 +79,13 @@ def submit(
     With an ``Idempotency-Key`` already used for the same spec, the existing job is
     returned (200); used for a different spec, 409.
     """
+    for what, uri in (("source", spec.source), ("target", spec.target)):
+        if relative_path(uri):
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_ENTITY,
+                f"{what} {uri!r} is a relative path: the server cannot know your working "
+                "folder; give an absolute path (the reshard CLI resolves it for you)",
+            )
     try:
         source = check_uri(spec.source, settings.roots, what="source")
         target = check_uri(spec.target, settings.roots, what="target", write=True)
