@@ -151,6 +151,11 @@ def test_cancel_deletes_the_trainjob_and_stops_its_nodes(make_server, k8s, tmp_p
     assert ("DELETE", f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml/trainjobs/"
             f"reshard-{job_id}-1") in k8s.requests  # fmt: skip
     assert all(n.proc.poll() is not None for n in trainjob.nodes)
+    # Foreground deletion: the object goes once its pods are reaped, a moment after they
+    # exit (the stand-in's reaper thread), as on a real API server.
+    deadline = time.monotonic() + 10
+    while ("ml", f"reshard-{job_id}-1") in k8s.jobs and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert ("ml", f"reshard-{job_id}-1") not in k8s.jobs
     time.sleep(1)
     assert not os.path.exists(os.path.join(dst, "reshard.index.json"))

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -64,25 +63,20 @@ def one_whole_checkpoint(base: str, name: str, sd: dict) -> dict:
     return index
 
 
-def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, float]]:
-    """(exit code, stderr, time it ended) of each, in start order."""
-    ended: dict[int, float] = {}
-    while len(ended) < len(procs):
-        for i, p in enumerate(procs):
-            if i not in ended and p.poll() is not None:
-                ended[i] = time.monotonic()
-        time.sleep(0.02)
-    return [(p.returncode, p.stderr.read(), ended[i]) for i, p in enumerate(procs)]
+def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each, in start order."""
+    errs = [p.communicate()[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
 
 
 def test_concurrent_converts_into_a_new_target(base):
     src, sd = source(base)
     procs = [start_convert(src, f"{base}/tgt", tp, 1 + tp % 2) for tp in range(1, 6)]
     results = finish(procs)
-    codes = [c for c, _, _ in results]
+    codes = [c for c, _ in results]
     assert codes.count(0) == 1, results
     winner = codes.index(0) + 1
-    for code, err, _ in results:
+    for code, err in results:
         assert "Traceback" not in err
         if code:
             assert code == 2, err
@@ -95,19 +89,22 @@ def test_concurrent_converts_into_a_new_target(base):
     one_whole_checkpoint(base, "tgt", sd)
 
 
-def test_concurrent_overwrites_end_with_the_last_commit(base):
+def test_concurrent_overwrites_end_with_one_whole_commit(base):
     src, sd = source(base)
     reshard_svc.convert(src, f"{base}/tgt", mesh="tp=1", rules={"*": "S(0)"})
     procs = [start_convert(src, f"{base}/tgt", tp, 1 + tp % 2, "--overwrite") for tp in range(2, 7)]
     results = finish(procs)
-    ok = [(end, i + 2) for i, (code, _, end) in enumerate(results) if code == 0]
+    ok = {i + 2 for i, (code, _) in enumerate(results) if code == 0}
     assert ok, results
-    for code, err, _ in results:
+    for code, err in results:
         assert "Traceback" not in err
         assert code == 0 or "is being written by" in err, err
     index = one_whole_checkpoint(base, "tgt", sd)
-    last = max(ok)[1]
-    assert {t["layout"]["mesh"]["shape"][0] for t in index["tensors"].values()} == {last}
+    # The commits were serialised by the lease, each replacing the last whole; which one
+    # committed last is not the one whose process ended last (torchrun's teardown follows the
+    # commit), so the check is that the target is exactly one of the runs that succeeded.
+    tps = {t["layout"]["mesh"]["shape"][0] for t in index["tensors"].values()}
+    assert len(tps) == 1 and tps <= ok, (tps, ok)
     assert reshard("gc", f"{base}/tgt").returncode == 0
     one_whole_checkpoint(base, "tgt", sd)
 
