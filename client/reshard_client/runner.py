@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -214,9 +215,7 @@ def run_workers(spec: Any, progress: ProgressOut) -> Outcome:
         if last and last.get("event") == "done":  # the commit landed before the stop
             outcome = Outcome(done=last, interrupted=True, log_path=log_path)
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(progress_file)
-            os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # our own scratch folder: the progress file
     return outcome
 
 

@@ -168,10 +168,13 @@ def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
     src = str(tmp_path / "src")
     reshard_svc.save({f"w{i}": torch.randn(512, 512) for i in range(64)}, src)  # seconds of work
     dst = tmp_path / "dst"
+    scratch = tmp_path.parent / (tmp_path.name + "-tmp")  # the CLI's TMPDIR: worker logs
+    scratch.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "reshard_client.cli", "convert", src, str(dst), "--mesh", "tp=2",
          "--rules", '{"*": "S(0)"}', "--workers", "2", "--max-memory", "64KiB"],
         stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
         # as from a terminal: a runner that started us in the background (SIGINT ignored,
         # which children inherit) must not turn Ctrl-C into a no-op for the CLI
         preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
@@ -193,6 +196,8 @@ def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and stderr.count("error:") == 1, stderr
     text = " ".join(stderr.split())
+    # nothing left in the temp folder but a worker log the message names
+    assert all(str(scratch / n) in text for n in os.listdir(scratch)), (os.listdir(scratch), text)
     if (dst / "reshard.index.json").exists():  # the commit won the race: it is whole, and said
         assert "interrupted after the commit" in text, stderr
         assert reshard_svc.verify(str(dst)).ok
@@ -257,6 +262,9 @@ def test_verify_says_when_nothing_was_hashed(tmp_path):
     r = reshard("verify", str(hf))
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
-    assert "no checksums recorded" in text and "0 B hashed" not in text
+    assert text.startswith("no problems found in what could be checked"), text
+    assert "of data NOT checked: Hugging Face safetensors files record no checksums" in text
+    assert "0 B hashed" not in text and not text.startswith("ok")
     report = json.loads(reshard("verify", str(hf), "--json").stdout)
-    assert report["ok"]
+    assert report["ok"] and not report["complete"]
+    assert report["bytes_unchecked"] == os.path.getsize(hf / "model.safetensors")
