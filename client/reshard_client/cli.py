@@ -36,6 +36,23 @@ OnlyOpt = Annotated[
     list[str] | None,
     typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
 ]
+RenameOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="FROM_GLOB=TO_PATTERN",
+        help="Rename tensors before --only/--strip-prefix (repeatable; or a YAML file of "
+        "FROM: TO), e.g. 'layers.*.wq.weight=model.layers.*.self_attn.q_proj.weight'.",
+    ),
+]
+SplitLayersOpt = Annotated[
+    bool,
+    typer.Option(
+        "--split-layers",
+        help="Split Megatron-Core's stacked layers/experts axes into per-layer tensors "
+        "(decoder.layers.mlp.linear_fc1.weight [L, ...] -> decoder.layers.{i}.mlp...), "
+        "before --rename.",
+    ),
+]
 StripPrefixOpt = Annotated[
     str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
 ]
@@ -157,15 +174,19 @@ def verify(
             raise _fail(e) from None
     if as_json:
         sys.stdout.write(json.dumps(report.to_json(), indent=1) + "\n")
-    elif report.ok:
-        checked = (
-            f"{_size(report.bytes_hashed)} checked ({report.checksum})"
-            if report.checksum != "none"
-            else "no checksums recorded: only sizes, headers and coverage were checked"
-        )
+    elif report.complete:
         out.print(
             f"[green]ok[/] {uri}: {report.tensors} tensors, {report.files_checked} files, "
-            f"{checked}",
+            f"{_size(report.bytes_hashed)} checked ({report.checksum})",
+            highlight=False,
+        )
+    elif report.ok:  # never "ok" for bytes nothing could check
+        checked = f"{_size(report.bytes_hashed)} checked, " if report.bytes_hashed else ""
+        out.print(
+            f"[yellow]no problems found[/] in what could be checked in {uri}: "
+            f"{report.tensors} tensors, {report.files_checked} files (sizes, headers, "
+            f"coverage); {checked}{_size(report.bytes_unchecked)} of data NOT checked: "
+            f"{'; '.join(report.unchecked)}",
             highlight=False,
         )
     else:
@@ -219,6 +240,8 @@ def convert(
     overwrite: OverwriteOpt = False,
     only: OnlyOpt = None,
     strip_prefix: StripPrefixOpt = None,
+    rename: RenameOpt = None,
+    split_layers: SplitLayersOpt = False,
     no_copy_config: Annotated[
         bool,
         typer.Option(
@@ -230,15 +253,18 @@ def convert(
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
     from reshard_client.runner import ProgressOut, leftovers, run_in_process, run_workers
     from reshard_svc.errors import ReshardError
+    from reshard_svc.plan.names import load_renames
     from reshard_svc.plan.spec import ConvertSpec
 
     try:
+        renames = load_renames(rename)
         spec = ConvertSpec(
             src, dst, mesh=_parse_mesh(mesh), rules=_parse_rules(rules), format=format,  # type: ignore[arg-type]
             dtype=dtype, keep_dtype=keep_dtype or None, strategy=strategy,  # type: ignore[arg-type]
             checksum=checksum, max_memory=max_memory, max_shard_size=max_shard_size,
             workers_per_node=workers, overwrite=overwrite, only=only or None,
             strip_prefix=strip_prefix, copy_config=not no_copy_config,
+            rename=[str(r) for r in renames] if renames else None, split_layers=split_layers,
         ).checked()  # fmt: skip
         spec.preflight()  # before any worker starts
     except ReshardError as e:
@@ -253,10 +279,22 @@ def convert(
         signal.signal(signal.SIGTERM, previous)
     if outcome.interrupted and outcome.done is None:
         hint = f"; `reshard gc {dst}` removes what it left" if leftovers(dst) else ""
-        err.print(f"[bold red]error:[/] interrupted: nothing was committed to {dst}{hint}",
-                  highlight=False)  # fmt: skip
+        err.print(f"[bold red]error:[/] interrupted: nothing was committed to {dst}{hint}"
+                  f"{_worker_log(outcome.log_path)}", highlight=False)  # fmt: skip
         raise typer.Exit(130)
     _report(outcome, f"{src} -> {dst}", as_json)
+
+
+def _worker_log(path: str) -> str:
+    """ " (worker logs: PATH)" for a failed run whose workers wrote something; an empty
+    log is removed, not named."""
+    if not path:
+        return ""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) == 0:
+            os.unlink(path)
+            return ""
+    return f" (worker logs: {path})" if os.path.exists(path) else ""
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -268,10 +306,8 @@ def _report(outcome: Any, what: str, as_json: bool) -> None:
     names their log (kept only then)."""
     done = outcome.done
     if done is None:
-        reason = outcome.error
-        if outcome.log_path:
-            reason += f" (worker logs: {outcome.log_path})"
-        err.print(f"[bold red]error:[/] {reason}", highlight=False)
+        err.print(f"[bold red]error:[/] {outcome.error}{_worker_log(outcome.log_path)}",
+                  highlight=False)  # fmt: skip
         raise typer.Exit(2)
     if outcome.log_path:
         with contextlib.suppress(OSError):

@@ -12,6 +12,8 @@ from rich.table import Table
 from reshard_client.cli import (
     OnlyOpt,
     OverwriteOpt,
+    RenameOpt,
+    SplitLayersOpt,
     StripPrefixOpt,
     _fail,
     _parse_mesh,
@@ -117,6 +119,8 @@ def submit(
     overwrite: OverwriteOpt = False,
     only: OnlyOpt = None,
     strip_prefix: StripPrefixOpt = None,
+    rename: RenameOpt = None,
+    split_layers: SplitLayersOpt = False,
     no_copy_config: Annotated[
         bool, typer.Option("--no-copy-config", help="--format hf: do not copy the config.")
     ] = False,
@@ -131,14 +135,19 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
 ) -> None:
     """Submit a conversion job to reshard-server."""
+    from reshard_svc.plan.names import load_renames
+
     try:
         mesh_value, rules_value = _parse_mesh(mesh), _parse_rules(rules)
-    except Exception as e:  # layout / rules text errors
+        renames = load_renames(rename)  # a YAML file is this machine's: read here
+    except Exception as e:  # layout / rules / rename text errors
         raise _fail(e) from None
     optional = {"workers": workers, "workers_per_node": workers_per_node, "mesh": mesh_value,
                 "rules": rules_value, "dtype": dtype, "keep_dtype": keep_dtype,
                 "max_memory": max_memory, "overwrite": overwrite or None, "only": only,
-                "strip_prefix": strip_prefix, "copy_config": False if no_copy_config else None}  # fmt: skip
+                "strip_prefix": strip_prefix, "copy_config": False if no_copy_config else None,
+                "rename": [str(r) for r in renames] if renames else None,
+                "split_layers": split_layers or None}  # fmt: skip
     # The server sees only absolute paths: a relative one is this shell's, resolved here.
     spec: dict[str, Any] = {"source": _absolute(src), "target": _absolute(dst), "format": format,
                             "nodes": nodes, "strategy": strategy, "checksum": checksum}  # fmt: skip

@@ -29,6 +29,7 @@ __all__ = ["AllowListUnpickler", "decode_torch_save", "index_from_distcp", "safe
 ENV_ALLOW = "RESHARD_ALLOW_DCP_PICKLE"
 TORCH_SAVE = "torch_save"
 _MD = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
         (_MD, "Metadata"),
@@ -40,6 +41,12 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset(
         (_MD, "StorageMeta"),
         (_MD, "_MEM_FORMAT_ENCODING"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        # Megatron-Core's torch_dist backend caches its save plans in the metadata
+        # (inert dataclasses of offsets and sizes).
+        (_PLANNER, "SavePlan"),
+        (_PLANNER, "WriteItem"),
+        (_PLANNER, "WriteItemType"),
+        (_PLANNER, "TensorWriteData"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("pathlib", "PosixPath"),

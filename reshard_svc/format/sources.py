@@ -23,7 +23,14 @@ from reshard_svc.errors import (
     NotACheckpointError,
 )
 from reshard_svc.format.hf import HF_INDEX
-from reshard_svc.format.index import INDEX_NAME, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.index import (
+    INDEX_NAME,
+    Blob,
+    CheckpointIndex,
+    Chunk,
+    FileMeta,
+    TensorMeta,
+)
 from reshard_svc.format.safetensors import ParsedHeader, parse_header
 from reshard_svc.layout import Box
 from reshard_svc.storage import Storage, open_storage
@@ -75,23 +82,62 @@ def open_checkpoint(
         if HF_INDEX in names:
             _check_hf_index(storage, index)
         return storage, index
+    if "metadata.pkl" in names:
+        from reshard_svc.format.torch_ckpt import index_from_torch_checkpointing
+
+        return storage, index_from_torch_checkpointing(storage)
     if ".metadata" in names:
         from reshard_svc.format.dcp import index_from_distcp
 
+        if MEGATRON_METADATA in names:
+            return storage, _megatron(storage, index_from_distcp(storage))
         return storage, index_from_distcp(storage)
+    from reshard_svc.format.torch_ckpt import not_a_torch_checkpointing_save
+
+    not_a_torch_checkpointing_save(storage, names)
     raise NotACheckpointError(
         f"{storage.uri}: no {INDEX_NAME}, safetensors files or DCP .metadata — not a "
         "checkpoint (or a save that never committed)"
     )
 
 
-def _check_hf_index(storage: Storage, index: CheckpointIndex) -> None:
-    """A Hugging Face ``model.safetensors.index.json`` must agree with the files."""
-    where = f"{storage.uri}/{HF_INDEX}"
+MEGATRON_METADATA = "metadata.json"
+MEGATRON_COMMON = "common.pt"
+
+
+def _read_json(storage: Storage, name: str) -> tuple[str, Any]:
+    """(where, parsed) of a small JSON file of the folder; unparsable is corrupt."""
+    where = f"{storage.uri}/{name}"
     try:
-        data = json.loads(storage.read(HF_INDEX))
+        return where, json.loads(storage.read(name))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e
+
+
+def _megatron(storage: Storage, index: CheckpointIndex) -> CheckpointIndex:
+    """A Megatron-Core ``dist_checkpointing`` folder: torch DCP underneath (the
+    ``torch_dist`` backend), plus ``metadata.json`` and ``common.pt`` (the non-sharded
+    state: iteration, args, RNG...), which is carried verbatim as an opaque blob."""
+    where, meta = _read_json(storage, MEGATRON_METADATA)
+    backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
+    if backend != "torch_dist":
+        raise CorruptCheckpointError(
+            f"{where}: sharded_backend is {backend!r}; reshard_svc reads Megatron-Core's "
+            "torch_dist checkpoints"
+        )
+    index.source = "megatron"
+    index.extras = {"megatron": {k: v for k, v in meta.items() if isinstance(v, (str, int))}}
+    sizes = storage.sizes()
+    if MEGATRON_COMMON in sizes:
+        size = sizes[MEGATRON_COMMON]
+        index.blobs[MEGATRON_COMMON] = Blob(MEGATRON_COMMON, MEGATRON_COMMON, 0, size)
+        index.files[MEGATRON_COMMON] = FileMeta(size)
+    return index
+
+
+def _check_hf_index(storage: Storage, index: CheckpointIndex) -> None:
+    """A Hugging Face ``model.safetensors.index.json`` must agree with the files."""
+    where, data = _read_json(storage, HF_INDEX)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"{where} has no weight_map object")

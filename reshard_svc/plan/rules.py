@@ -18,11 +18,10 @@ import fnmatch
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace as dc_replace
+from collections.abc import Mapping
 from typing import Any
 
-from reshard_svc.errors import LayoutError, UsageError
+from reshard_svc.errors import LayoutError
 from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import (
     Layout,
@@ -34,7 +33,7 @@ from reshard_svc.layout import (
     parse_placements,
 )
 
-__all__ = ["load_rules", "resolve_layouts", "select_tensors"]
+__all__ = ["load_rules", "resolve_layouts"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,64 +163,3 @@ def resolve_layouts(
             len(replicated), replicated[0],
         )  # fmt: skip
     return out
-
-
-def select_tensors(
-    index: CheckpointIndex, only: Sequence[str] | None = None, strip_prefix: str | None = None
-) -> CheckpointIndex:
-    """The part of ``index`` a convert writes: tensors (and JSON extras) whose names match
-    one of the ``only`` globs, renamed without ``strip_prefix``. Reads are by file and byte
-    range, so the renamed index reads the same bytes.
-
-    A glob that matches nothing, a selection that is empty, or a rename that makes two
-    names equal is a :class:`UsageError`.
-    """
-    if not only and not strip_prefix:
-        return index
-    globs = list(only or ["*"])
-    for glob in globs:
-        if not isinstance(glob, str) or not glob:
-            raise UsageError(f"--only: glob {glob!r} must be non-empty text")
-        if not any(
-            fnmatch.fnmatchcase(n, glob) for n in [*index.tensors, *index.extras, *index.blobs]
-        ):
-            raise UsageError(
-                f"--only {glob!r} matches no tensor (names look like {next(iter(index.tensors), '')!r})"
-            )
-
-    def rename(name: str) -> str:
-        return name[len(strip_prefix) :] if strip_prefix and name.startswith(strip_prefix) else name
-
-    def pick(names: Iterable[str]) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for n in names:
-            if any(fnmatch.fnmatchcase(n, g) for g in globs):
-                new = rename(n)
-                if not new or new in out.values():
-                    raise UsageError(
-                        f"--strip-prefix {strip_prefix!r} makes {n!r} collide with another "
-                        "name (or empty): select fewer tensors with --only"
-                    )
-                out[n] = new
-        return out
-
-    tensors = pick(index.tensors)
-    if not tensors:
-        raise UsageError("--only selects no tensor: nothing to write")
-    if strip_prefix and not any(n.startswith(strip_prefix) for n in tensors):
-        raise UsageError(
-            f"--strip-prefix {strip_prefix!r} matches no tensor name (names look like "
-            f"{next(iter(tensors))!r})"
-        )
-    extras = pick(index.extras)
-    blobs = pick(index.blobs)
-    return CheckpointIndex(
-        tensors={new: dc_replace(index.tensors[old], name=new) for old, new in tensors.items()},
-        files=index.files,
-        extras={new: index.extras[old] for old, new in extras.items()},
-        source=index.source,
-        created_by=index.created_by,
-        checksum=index.checksum,
-        block_size=index.block_size,
-        blobs={new: dc_replace(index.blobs[old], name=new) for old, new in blobs.items()},
-    )

@@ -220,24 +220,22 @@ def _text(name: str, value: Any) -> str | None:
     return value
 
 
-def _globs(value: Any) -> list[str] | None:
+def _glob_list(name: str, value: Any, *, required: bool = False) -> list[str] | None:
+    """A glob (or ``FROM=TO`` rule) or a list of up to 1000; ``required``: at least one."""
     if value is None:
         return None
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, list) or not 1 <= len(value) <= 1000:
-        raise UsageError("only must be a tensor-name glob or a list of 1 to 1000 globs")
-    return [str(_text("only", g)) for g in value]
+    if not isinstance(value, list) or len(value) > 1000 or (required and not value):
+        raise UsageError(f"{name} must be a tensor-name glob or a list of at most 1000")
+    return [str(_text(name, g)) for g in value] or None
 
 
-def _keep_globs(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or len(value) > 1000:
-        raise UsageError("keep_dtype must be a tensor-name glob or a list of at most 1000 globs")
-    return [str(_text("keep_dtype", g)) for g in value] or None
+def _renames(value: Any) -> list[str] | None:
+    from reshard_svc.plan.names import parse_renames
+
+    rules = parse_renames(value)
+    return [str(r) for r in rules] if rules else None
 
 
 def _uri(name: str, value: Any) -> str:
@@ -267,6 +265,10 @@ class ConvertSpec:
     overwrite: bool = False
     only: list[str] | None = None
     strip_prefix: str | None = None
+    #: ``FROM_GLOB=TO_PATTERN`` rules applied, in order, before ``only``/``strip_prefix``
+    rename: list[str] | None = None
+    #: split Megatron-style stacked ``layers``/``experts`` axes into per-layer names first
+    split_layers: bool = False
     #: an HF export copies the source's config and tokenizer files (when it has them)
     copy_config: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -295,11 +297,13 @@ class ConvertSpec:
             rules=parse_rules(self.rules),
             format=Format(_choice("format", self.format, FORMATS)),
             dtype=parse_dtype(self.dtype),
-            keep_dtype=_keep_globs(self.keep_dtype),
+            keep_dtype=_glob_list("keep_dtype", self.keep_dtype),
             strategy=Strategy(_choice("strategy", self.strategy, STRATEGIES)),
             checksum=_choice("checksum", self.checksum, CHECKSUMS),
             overwrite=_flag("overwrite", self.overwrite),
-            only=_globs(self.only),
+            only=_glob_list("only", self.only, required=True),
+            rename=_renames(self.rename),
+            split_layers=_flag("split_layers", self.split_layers),
             strip_prefix=_text("strip_prefix", self.strip_prefix),
             copy_config=_flag("copy_config", self.copy_config),
         )
@@ -390,6 +394,10 @@ class ConvertSpec:
             argv.append("--overwrite")
         for glob in self.only or ():
             argv += ["--only", glob]
+        if self.split_layers:
+            argv.append("--split-layers")
+        for rule in self.rename or ():
+            argv += ["--rename", rule]
         for glob in self.keep_dtype or ():
             argv += ["--keep-dtype", glob]
         if not self.copy_config:
@@ -437,6 +445,7 @@ class ConvertSpec:
             nodes=nodes, workers_per_node=workers_per_node,
             overwrite=args.overwrite, only=args.only, strip_prefix=args.strip_prefix,
             keep_dtype=args.keep_dtype, copy_config=not args.no_copy_config,
+            rename=args.rename, split_layers=args.split_layers,
             extra={"progress_file": args.progress_file},
         ).checked()  # fmt: skip
 
@@ -472,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GLOB",
         help="keep only tensors matching this glob (repeatable), e.g. 'model.*'",
     )
+    c.add_argument("--rename", action="append", metavar="FROM_GLOB=TO_PATTERN",
+                   help="rename tensors before --only/--strip-prefix (repeatable), e.g. "
+                   "'layers.*.wq.weight=model.layers.*.q_proj.weight'")  # fmt: skip
+    c.add_argument("--split-layers", action="store_true",
+                   help="split stacked layers/experts axes (Megatron-Core) into per-layer names")  # fmt: skip
     c.add_argument("--strip-prefix", metavar="PREFIX",
                    help="drop this prefix from tensor names, e.g. 'model.'")  # fmt: skip
     c.add_argument("--keep-dtype", action="append", metavar="GLOB",

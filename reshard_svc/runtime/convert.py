@@ -34,6 +34,7 @@ from reshard_svc.format.hf import HF_INDEX
 from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name
 from reshard_svc.layout import Box, Mesh
+from reshard_svc.plan.names import parse_renames, select_tensors, split_layers
 from reshard_svc.plan.output import (
     DEFAULT_SHARD_SIZE,
     OutputPlan,
@@ -42,7 +43,7 @@ from reshard_svc.plan.output import (
     target_bands,
 )
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
-from reshard_svc.plan.rules import load_rules, resolve_layouts, select_tensors
+from reshard_svc.plan.rules import load_rules, resolve_layouts
 from reshard_svc.plan.spec import ConvertSpec, Format, parse_mesh, parse_size
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
 from reshard_svc.runtime.comm import Comm
@@ -92,6 +93,8 @@ def convert(
     only: Sequence[str] | None = None,
     strip_prefix: str | None = None,
     copy_config: bool = True,
+    rename: Sequence[str] | Mapping[str, str] | None = None,
+    split_layers: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
 
@@ -106,7 +109,11 @@ def convert(
     whole-file sha256) or ``"none"``. Every source block read is checked against its
     CRC32C first. A committed checkpoint at ``dst`` is only replaced with
     ``overwrite=True``. ``only`` (globs) keeps matching tensors, and ``strip_prefix``
-    drops a name prefix, e.g. ``only=["model.*"], strip_prefix="model."``.
+    drops a name prefix, e.g. ``only=["model.*"], strip_prefix="model."``; ``rename``
+    (``"FROM_GLOB=TO_PATTERN"`` rules or an ordered ``{FROM: TO}``) renames first, e.g.
+    ``rename=["layers.*.wq.weight=model.layers.*.q_proj.weight"]``; before that,
+    ``split_layers=True`` makes Megatron-Core's stacked ``[L, ...]`` tensors one tensor per
+    layer (see :mod:`reshard_svc.plan.names`).
 
     The arguments make one :class:`~reshard_svc.plan.spec.ConvertSpec` (the job contract
     the CLI, the server and the worker use too), checked in one place.
@@ -119,10 +126,16 @@ def convert(
         checksum=check_algorithm(checksum), max_memory=_size_text(max_memory),
         max_shard_size=_size_text(max_shard_size), overwrite=overwrite,
         only=list(only) if only else None, strip_prefix=strip_prefix, copy_config=copy_config,
+        rename=_rename_texts(rename), split_layers=split_layers,
     ).checked()  # fmt: skip
     conversion = Conversion(spec, process_group=process_group, storage_options=storage_options)
     with collector_paused():  # see reshard_svc._collector: no full collection mid-run
         return conversion.run(progress)
+
+
+def _rename_texts(rename: Sequence[str] | Mapping[str, str] | None) -> list[str] | None:
+    rules = parse_renames(dict(rename) if isinstance(rename, Mapping) else rename)
+    return [str(r) for r in rules] if rules else None
 
 
 def _mesh_names(mesh: Mesh | str | Mapping[str, int] | None) -> dict[str, int] | None:
@@ -201,7 +214,9 @@ class Conversion:
         spec = self.spec
         spec.check_paths(self.storage_options)
         self.storage, index = open_shared(spec.source, self.comm, self.storage_options)
-        self.index = select_tensors(index, spec.only, spec.strip_prefix)
+        if spec.split_layers:
+            index = split_layers(index)
+        self.index = select_tensors(index, spec.only, spec.strip_prefix, parse_renames(spec.rename))
         self.target = open_storage(spec.target, self.storage_options)
         native = spec.format == Format.NATIVE
         self.layouts = resolve_layouts(self.index, self.mesh, spec.rules) if native else {}

@@ -111,6 +111,15 @@ class JobCreate(BaseModel):
     copy_config: StrictBool = Field(
         default=True, description="an HF export copies the source's config and tokenizer files"
     )
+    rename: list[str] | None = Field(
+        default=None,
+        max_length=1000,
+        description="FROM_GLOB=TO_PATTERN rules applied in order before only/strip_prefix",
+    )
+    split_layers: StrictBool = Field(
+        default=False,
+        description="split Megatron-Core's stacked layers/experts axes into per-layer tensors",
+    )
 
     @field_validator("mesh", mode="before")
     @classmethod

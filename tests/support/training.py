@@ -86,7 +86,8 @@ def block_tp_plan() -> dict:
 
 def build(tp: int, dp: int = 1):
     """The model parallelized with ColwiseParallel/RowwiseParallel at TP=tp (blocks with
-    activation checkpointing and input_reshard), FSDP2 on a dp axis when dp > 1; AdamW."""
+    activation checkpointing and input_reshard), FSDP2 on a dp axis when dp > 1 (alone,
+    on a 1-D mesh, when tp == 1); AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
@@ -98,6 +99,14 @@ def build(tp: int, dp: int = 1):
 
     torch.manual_seed(0)  # identical init on every rank and in every run
     model = Transformer()
+    if tp == 1 and dp > 1:  # FSDP2 alone, on a 1-D mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), dp_mesh
     if dp > 1:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         tp_mesh = mesh["tp"]

@@ -1,0 +1,207 @@
+"""Checkpoints written by other projects' own code, on gloo workers: the bridge's oracles.
+
+* :func:`write_torch_checkpointing`: the test transformer (tests/support/training.py)
+  trained one AdamW step under FSDP2, TP or FSDP2 × TP, saved by ``torch_checkpointing.CheckpointManager`` (its model and
+  optimizer state dicts, from ``torch.distributed.checkpoint.state_dict``, plus a ``step``
+  item with no resharder).
+* :func:`write_megatron`: a ``ShardedTensor`` state dict as Megatron-Core's GPT layers
+  build it (stacked layers along a prepended axis, TP splits, replicated norms, experts
+  along a second prepended axis split by expert parallelism), saved by
+  ``megatron.core.dist_checkpointing.save`` (the ``torch_dist`` backend), with
+  ``iteration`` and ``args`` in its ``common.pt``.
+
+Each rank 0 also writes ``ref.safetensors``: every tensor the writer saved, whole, under
+the name reshard_svc gives it, built from the same values the writer was handed.
+
+Running these writers on CPU needs three shims, all for code paths that assume CUDA
+(documented in the README): torch_checkpointing 0.1.1 gathers its metadata through a
+``device="cuda"`` tensor (``DefaultMetadataManager._all_gather_pickled_data``) and opens
+files with ``O_DIRECT`` (``use_direct_io=False`` is its own switch); megatron-core 0.16.1
+calls ``torch.cuda.synchronize`` and ``torch.cuda.current_device`` after writing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+H, F, VOCAB, LAYERS = 16, 32, 32, 2  # the Megatron-style state dict's sizes
+
+
+def _flatten(tree: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(tree, torch.Tensor):
+        full = tree.full_tensor() if hasattr(tree, "full_tensor") else tree
+        out[prefix] = full.detach().clone().contiguous()
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _flatten(v, f"{prefix}.{k}", out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _flatten(v, f"{prefix}.{i}", out)
+
+
+def _cpu_shims_for_torch_checkpointing() -> None:
+    from torch_checkpointing import metadata_manager
+
+    def gather(self: Any, data: Any, process_group: Any = None) -> dict[int, Any]:
+        out: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(out, data, group=process_group)
+        return dict(enumerate(out))
+
+    metadata_manager.DefaultMetadataManager._all_gather_pickled_data = gather
+
+
+def write_torch_checkpointing(out: str, ref: str, parallel: str) -> str:
+    """Train one step under ``parallel`` (fsdp, tp, fsdp_tp) and save with torch_checkpointing."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.default_resharder import DefaultResharder
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    from tests.support import training
+
+    _cpu_shims_for_torch_checkpointing()
+    tp, dp = {"fsdp": (1, 2), "tp": (2, 1), "fsdp_tp": (2, 2)}[parallel]
+    model, opt, dp_mesh = training.build(tp, dp)
+    training.train(model, opt, range(1), dp_mesh)
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, opt)
+    refs: dict[str, torch.Tensor] = {}
+    _flatten(model_sd, "model", refs)
+    _flatten(optim_sd, "optim", refs)
+    config = CheckpointManager.Config(
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+        items={
+            "model": ItemSpec(resharder=DefaultResharder()),
+            "optim": ItemSpec(resharder=DefaultResharder()),
+        },  # fmt: skip
+        save=CheckpointManager.Config.with_sync_save().save,
+    )
+    mgr = CheckpointManager(config)
+    done = mgr.save(out, {"model": model_sd, "optim": optim_sd, "step": 7})
+    if hasattr(done, "result"):
+        done.result()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        save_file(refs, ref)
+    return "written"
+
+
+def megatron_reference(ep: int = 2) -> dict[str, torch.Tensor]:
+    """The whole tensors :func:`write_megatron` saves, by sharded key."""
+    g = torch.Generator().manual_seed(3)
+    experts = 2 * ep
+    return {
+        "embedding.word_embeddings.weight": torch.randn(VOCAB, H, generator=g),
+        "decoder.layers.self_attention.linear_qkv.weight": torch.randn(LAYERS, 3 * H, H, generator=g),
+        "decoder.layers.self_attention.linear_proj.weight": torch.randn(LAYERS, H, H, generator=g),
+        "decoder.layers.input_layernorm.weight": torch.randn(LAYERS, H, generator=g),
+        "decoder.layers.mlp.experts.linear_fc1.weight": torch.randn(LAYERS, experts, F, H, generator=g),
+        "decoder.final_layernorm.weight": torch.randn(H, generator=g),
+    }  # fmt: skip
+
+
+def write_megatron(out: str, ref: str) -> str:
+    """Save a Megatron-style sharded state dict with ``dist_checkpointing.save`` (TP = EP =
+    world size)."""
+    import os
+
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    full = megatron_reference(tp)
+    sd: dict[str, Any] = {"layers": [], "experts": []}
+
+    def part(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp, dim)[rank].clone()
+
+    emb = "embedding.word_embeddings.weight"
+    sd[emb] = ShardedTensor.from_rank_offsets(emb, part(full[emb], 0), (0, rank, tp), replica_id=0)
+    for layer in range(LAYERS):
+        for key, dim in (
+            ("decoder.layers.self_attention.linear_qkv.weight", 0),
+            ("decoder.layers.self_attention.linear_proj.weight", 1),
+        ):  # column / row parallel within each layer, layers stacked on a prepended axis
+            sd["layers"].append(ShardedTensor.from_rank_offsets(
+                key, part(full[key][layer], dim), (0, layer, LAYERS), (dim + 1, rank, tp),
+                replica_id=0, prepend_axis_num=1))  # fmt: skip
+        norm = "decoder.layers.input_layernorm.weight"
+        sd["layers"].append(ShardedTensor.from_rank_offsets(
+            norm, full[norm][layer].clone(), (0, layer, LAYERS), replica_id=rank,
+            prepend_axis_num=1))  # fmt: skip
+        fc1 = "decoder.layers.mlp.experts.linear_fc1.weight"
+        experts = full[fc1].shape[1]
+        for e in range(rank * experts // tp, (rank + 1) * experts // tp):  # expert parallel
+            sd["experts"].append(ShardedTensor.from_rank_offsets(
+                fc1, full[fc1][layer, e].clone(), (0, layer, LAYERS), (1, e, experts),
+                replica_id=0, prepend_axis_num=2))  # fmt: skip
+    final = "decoder.final_layernorm.weight"
+    sd[final] = ShardedTensor.from_rank_offsets(final, full[final].clone(), replica_id=rank)
+    sd["iteration"] = 42
+    sd["args"] = {"lr": 0.1, "model": "gpt", "layers": LAYERS}
+    os.makedirs(out, exist_ok=True)
+    dist_checkpointing.save(sd, out)
+    dist.barrier()
+    if rank == 0:
+        save_file(full, ref)
+    return "written"
+
+
+def load_and_compare(uri: str, ref: str) -> list[str]:
+    """Load every tensor of ``ref`` from ``uri`` into a third layout (2-D and larger:
+    Shard(1) over this world; others replicated) and name any that differ from ``ref``."""
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import reshard_svc
+
+    want = load_file(ref)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = {
+        k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1) if v.dim() > 1 else Replicate()])
+        for k, v in want.items()
+    }
+    reshard_svc.load(sd, uri)
+    return [k for k, v in sd.items() if not torch.equal(v.full_tensor(), want[k])]
+
+
+def write_torch_checkpointing_big(out: str, mib: int) -> str:
+    """``mib`` MiB of fp32 DTensors (rows sharded over the world), one torch_checkpointing
+    save; the values are a function of their position, so any reader can check them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.default_resharder import DefaultResharder
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    _cpu_shims_for_torch_checkpointing()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = {
+        name: distribute_tensor(full, mesh, [Shard(0)]) for name, full in big_tensors(mib).items()
+    }
+    config = CheckpointManager.Config(
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+        items={"model": ItemSpec(resharder=DefaultResharder())},
+        save=CheckpointManager.Config.with_sync_save().save,
+    )
+    done = CheckpointManager(config).save(out, {"model": sd})
+    if hasattr(done, "result"):
+        done.result()
+    return "written"
+
+
+def big_tensors(mib: int) -> dict[str, torch.Tensor]:
+    n = mib * 2**20 // 4 // 4 // 256  # rows of each of four [n, 256] fp32 tensors
+    return {
+        f"w{i}": torch.arange(n * 256, dtype=torch.float32).reshape(n, 256) + i for i in range(4)
+    }
