@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +51,8 @@ def worker(args: argparse.Namespace) -> None:
             res = common.timed(
                 lambda: reshard_svc.save(sd, path, checksum=checksum, check_replicas=check)
             )
+            if op == "save2d" and system == "ours":
+                res["replica_check_s"] = _replica_check_work(sd)
         else:
             res = common.timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)))
     else:
@@ -64,6 +67,20 @@ def worker(args: argparse.Namespace) -> None:
     res["rank"] = dist.get_rank()
     common.append_result(args.results, res)
     dist.destroy_process_group()
+
+
+def _replica_check_work(sd: dict) -> float:
+    """The replica check's own work, timed alone right after the save: this rank's CRC32C
+    of every replicated box it holds (a writer hashes its boxes for the check on top of
+    their block CRCs, every other holder hashes its copy), between barriers. Whole saves
+    on this machine move by ±50 % from run to run (0.6-4 s for the same save), far more
+    than the check costs, so the check is also measured on its own."""
+    from reshard_svc.runtime.save import _describe_mine
+    from reshard_svc.runtime.targets import replica_crcs
+
+    placed, _ = _describe_mine(sd)
+    boxes = {name: list(p.local) for name, p in placed.items()}  # dp=2: every byte twice
+    return float(common.timed(lambda: replica_crcs(placed, boxes))["wall_s"])
 
 
 def variants(op: str, which: str) -> tuple[str, ...]:
@@ -86,6 +103,7 @@ def main() -> None:
     )
     ap.add_argument("--op", choices=["save", "save2d", "tp", "rep"], help=argparse.SUPPRESS)
     common.add_variants(ap, "ours (crc32c), ours-none, ours-unchecked, ours-direct and dcp")
+    ap.add_argument("--ops", help="comma-separated subset of save2d,save,tp,rep (loads need save)")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -96,6 +114,8 @@ def main() -> None:
     ops = [("save", 4), ("tp", 2), ("rep", 2)]
     if args.variants != "defaults":  # first, while the folder is empty: it needs the memory
         ops.insert(0, ("save2d", 4))
+    if args.ops:
+        ops = [(op, n) for op, n in ops if op in args.ops.split(",")]
     runs: dict[tuple[str, str], list] = {}
     try:
         for run in range(args.runs):
@@ -145,6 +165,14 @@ def main() -> None:
             )
             summary[f"{op}_wall_ratio_replicas_checked_over_unchecked_paired"] = (
                 common.paired_ratio(runs[("ours", op)], runs[("ours-unchecked", op)])
+            )
+        if op == "save2d":
+            check = statistics.median(
+                max(r["replica_check_s"] for r in run) for run in runs[("ours", op)]
+            )
+            summary["save2d_replica_check_s"] = round(check, 3)
+            summary["save2d_replica_check_over_unchecked_save"] = round(
+                check / unchecked["wall_s"], 3
             )
         if ("ours-direct", op) in runs:
             direct = common.summarize(runs[("ours-direct", op)], model)

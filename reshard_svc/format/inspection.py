@@ -24,10 +24,11 @@ from reshard_svc.errors import (
     StateDictError,
     StorageError,
 )
+from reshard_svc.format.checksums import crc32c
 from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.format.sources import open_checkpoint, read_header
 from reshard_svc.format.torch_ckpt import SOURCE as ZIP_SOURCE
-from reshard_svc.format.torch_ckpt import zip_crc_table
+from reshard_svc.format.torch_ckpt import replica_copies, zip_crc_table
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["VerifyReport", "describe_index", "inspect", "read_blob", "verify"]
@@ -196,7 +197,29 @@ def verify(
             report.bytes_hashed += hashed
     for name in names:
         report.problems.extend(problems[name])
+    if index.source == ZIP_SOURCE and not report.problems:
+        report.problems.extend(_compare_copies(storage))
     return report
+
+
+def _compare_copies(storage: Storage) -> list[str]:
+    """torch_checkpointing keeps every rank's copy of a replicated box: they must agree."""
+    found = []
+    for (name, box), copies in sorted(replica_copies(storage).items(), key=lambda kv: kv[0][0]):
+        by_crc: dict[int, list[int]] = {}
+        for rank, c in copies:  # a span at a time: replicated tensors can be large
+            crc = 0
+            for a in range(c.begin, c.end, SPAN):
+                crc = crc32c(storage.read_view(c.file, a, min(c.end, a + SPAN)), crc)
+            by_crc.setdefault(crc, []).append(rank)
+        if len(by_crc) > 1:
+            groups = "; ".join(f"rank(s) {rs} hold CRC32C {c:08x}" for c, rs in by_crc.items())
+            found.append(
+                f"{name} {list(box.offsets)}+{list(box.sizes)}: the writer saved it as "
+                f"replicated, but its copies differ ({groups}); a convert or load keeps "
+                f"rank {copies[0][0]}'s. Per-rank state needs per-rank keys or a DTensor"
+            )
+    return found
 
 
 def _check_zip_records(

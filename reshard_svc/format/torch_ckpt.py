@@ -42,7 +42,13 @@ from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
 from reshard_svc.layout.sharding import local_slices
 from reshard_svc.storage import Storage
 
-__all__ = ["METADATA_NAME", "SOURCE", "index_from_torch_checkpointing", "zip_crc_table"]
+__all__ = [
+    "METADATA_NAME",
+    "SOURCE",
+    "index_from_torch_checkpointing",
+    "replica_copies",
+    "zip_crc_table",
+]
 
 METADATA_NAME = "metadata.pkl"
 SOURCE = "torch_checkpointing"
@@ -369,13 +375,13 @@ def _pieces(group: Mapping[str, Any], where: str) -> tuple[torch.dtype, tuple[in
         offs, locs, sizes = (
             _field(data, k, where) for k in ("global_offsets", "local_offsets", "local_sizes")
         )
-        if len(ranks) != 1 or not len(offs) == len(locs) == len(sizes):
+        if not isinstance(offs, (list, tuple)) or not len(offs) == len(locs) == len(sizes):
             raise CorruptCheckpointError(f"{METADATA_NAME}: {where}: malformed shard lists")
         for off, loc, size in zip(offs, locs, sizes, strict=True):
             box = Box(_shape(off, where), _shape(size, where))
             sl = tuple(slice(a, a + n) for a, n in zip(_shape(loc, where), box.sizes, strict=True))
-            if not box.is_empty:
-                pieces.append(_Piece(ranks[0], box, sl))
+            if not box.is_empty:  # ranks with the same offsets hold replicas (one group)
+                pieces.extend(_Piece(rank, box, sl) for rank in ranks)
     else:
         raise CorruptCheckpointError(
             f"{METADATA_NAME}: {where} has sharding {kind!r}; supported: "
@@ -469,6 +475,23 @@ def _plain(node: Any, depth: int) -> Any:
 def index_from_torch_checkpointing(storage: Storage) -> CheckpointIndex:
     """Describe a torch_checkpointing folder: tensors from its metadata and data-file
     records, items without metadata as opaque blobs."""
+    return _index(storage, None)
+
+
+def replica_copies(storage: Storage) -> dict[tuple[str, Box], list[tuple[int, Chunk]]]:
+    """Every stored copy of each box more than one rank saved, ``(rank, chunk)`` in rank
+    order. torch_checkpointing writes each rank's copy of a "replicated" tensor to that
+    rank's file (and treats plain tensors as replicated, whatever they hold), so ``verify``
+    compares them: a tensor whose copies differ would otherwise come out as the lowest
+    rank's, silently."""
+    copies: dict[tuple[str, Box], list[tuple[int, Chunk]]] = {}
+    _index(storage, copies)
+    return {k: v for k, v in copies.items() if len(v) > 1}
+
+
+def _index(
+    storage: Storage, copies: dict[tuple[str, Box], list[tuple[int, Chunk]]] | None
+) -> CheckpointIndex:
     md = _load_metadata(storage)
     sizes = storage.sizes()
     archives: dict[str, _Archive] = {}
@@ -528,7 +551,7 @@ def index_from_torch_checkpointing(storage: Storage) -> CheckpointIndex:
                 dtype, shape = g_dtype, g_shape
                 for piece in sorted(pieces, key=lambda p: p.rank):
                     key = (piece.box.offsets, piece.box.sizes)
-                    if key in chunks:
+                    if key in chunks and copies is None:
                         continue  # a replica: the lowest rank's copy is read
                     where = f"{name} (rank {piece.rank})"
                     file = _rank_file(item, piece.rank, layout_info.get(piece.rank), where)
@@ -541,7 +564,10 @@ def index_from_torch_checkpointing(storage: Storage) -> CheckpointIndex:
                     begin, end = archive(file, where).record(f"data/{ref.key}")
                     if begin + hi > end:
                         raise CorruptCheckpointError(f"{where}: runs past its record")
-                    chunks[key] = Chunk(piece.box, file, begin + lo, begin + hi)
+                    chunk = Chunk(piece.box, file, begin + lo, begin + hi)
+                    chunks.setdefault(key, chunk)
+                    if copies is not None:
+                        copies.setdefault((name, piece.box), []).append((piece.rank, chunk))
             if dtype is None or shape is None:
                 raise CorruptCheckpointError(f"{METADATA_NAME}: {name} has no rank groups")
             tensors[name] = TensorMeta(

@@ -205,3 +205,24 @@ def big_tensors(mib: int) -> dict[str, torch.Tensor]:
     return {
         f"w{i}": torch.arange(n * 256, dtype=torch.float32).reshape(n, 256) + i for i in range(4)
     }
+
+
+def write_torch_checkpointing_divergent(out: str) -> str:
+    """Per-rank experts passed as plain tensors under one key — what torch_checkpointing
+    0.1.1 saves as "replicated" with a log line, each rank's copy in its own file."""
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.default_resharder import DefaultResharder
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    _cpu_shims_for_torch_checkpointing()
+    rank = dist.get_rank()
+    sd = {"experts.w": torch.full((2, 4), float(rank)), "bias": torch.ones(4)}
+    config = CheckpointManager.Config(
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+        items={"model": ItemSpec(resharder=DefaultResharder())},
+        save=CheckpointManager.Config.with_sync_save().save,
+    )
+    done = CheckpointManager(config).save(out, {"model": sd})
+    if hasattr(done, "result"):
+        done.result()
+    return "written"
