@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from reshard_svc._collector import collector_paused
 from reshard_svc.errors import (
     DistributedError,
     StateDictError,
@@ -128,7 +129,10 @@ def transfer(
     """
     start = time.perf_counter()
     comm = Comm(process_group)
-    with torch.no_grad():
+    # No full collection mid-call (reshard_svc._collector): an RL loop calls this every few
+    # steps, and a collection over a torch process's heap costs about 0.1 s on one rank,
+    # which every other rank then waits for at the next wave.
+    with torch.no_grad(), collector_paused():
         local = _Local.of(src, dst, names, max_memory, comm)
         entry, cached = _plan(local, comm, names, max_memory, plan_cache)
         plan = entry.plan
