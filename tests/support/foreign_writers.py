@@ -54,19 +54,33 @@ def _cpu_shims_for_torch_checkpointing() -> None:
     metadata_manager.DefaultMetadataManager._all_gather_pickled_data = gather
 
 
+def _tc_save(out: str, state: dict[str, Any], items: tuple[str, ...]) -> None:
+    """One synchronous ``CheckpointManager`` save; ``items`` get the default resharder
+    (the others are saved without one, as opaque per-rank files)."""
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.default_resharder import DefaultResharder
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    _cpu_shims_for_torch_checkpointing()
+    config = CheckpointManager.Config(
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+        items={item: ItemSpec(resharder=DefaultResharder()) for item in items},
+        save=CheckpointManager.Config.with_sync_save().save,
+    )
+    done = CheckpointManager(config).save(out, state)
+    if hasattr(done, "result"):
+        done.result()
+
+
 def write_torch_checkpointing(out: str, ref: str, parallel: str) -> str:
     """Train one step under ``parallel`` (fsdp, tp, fsdp_tp) and save with torch_checkpointing."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
-    from torch_checkpointing import CheckpointManager, ItemSpec
-    from torch_checkpointing.default_resharder import DefaultResharder
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
     from tests.support import training
 
-    _cpu_shims_for_torch_checkpointing()
     tp, dp = {"fsdp": (1, 2), "tp": (2, 1), "fsdp_tp": (2, 2)}[parallel]
     model, opt, dp_mesh = training.build(tp, dp)
     training.train(model, opt, range(1), dp_mesh)
@@ -75,18 +89,7 @@ def write_torch_checkpointing(out: str, ref: str, parallel: str) -> str:
     refs: dict[str, torch.Tensor] = {}
     _flatten(model_sd, "model", refs)
     _flatten(optim_sd, "optim", refs)
-    config = CheckpointManager.Config(
-        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
-        items={
-            "model": ItemSpec(resharder=DefaultResharder()),
-            "optim": ItemSpec(resharder=DefaultResharder()),
-        },  # fmt: skip
-        save=CheckpointManager.Config.with_sync_save().save,
-    )
-    mgr = CheckpointManager(config)
-    done = mgr.save(out, {"model": model_sd, "optim": optim_sd, "step": 7})
-    if hasattr(done, "result"):
-        done.result()
+    _tc_save(out, {"model": model_sd, "optim": optim_sd, "step": 7}, ("model", "optim"))
     dist.barrier()
     if dist.get_rank() == 0:
         save_file(refs, ref)
@@ -180,23 +183,12 @@ def write_torch_checkpointing_big(out: str, mib: int) -> str:
     save; the values are a function of their position, so any reader can check them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch_checkpointing import CheckpointManager, ItemSpec
-    from torch_checkpointing.default_resharder import DefaultResharder
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
-    _cpu_shims_for_torch_checkpointing()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     sd = {
         name: distribute_tensor(full, mesh, [Shard(0)]) for name, full in big_tensors(mib).items()
     }
-    config = CheckpointManager.Config(
-        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
-        items={"model": ItemSpec(resharder=DefaultResharder())},
-        save=CheckpointManager.Config.with_sync_save().save,
-    )
-    done = CheckpointManager(config).save(out, {"model": sd})
-    if hasattr(done, "result"):
-        done.result()
+    _tc_save(out, {"model": sd}, ("model",))
     return "written"
 
 
@@ -210,19 +202,8 @@ def big_tensors(mib: int) -> dict[str, torch.Tensor]:
 def write_torch_checkpointing_divergent(out: str) -> str:
     """Per-rank experts passed as plain tensors under one key — what torch_checkpointing
     0.1.1 saves as "replicated" with a log line, each rank's copy in its own file."""
-    from torch_checkpointing import CheckpointManager, ItemSpec
-    from torch_checkpointing.default_resharder import DefaultResharder
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
-    _cpu_shims_for_torch_checkpointing()
     rank = dist.get_rank()
     sd = {"experts.w": torch.full((2, 4), float(rank)), "bias": torch.ones(4)}
-    config = CheckpointManager.Config(
-        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
-        items={"model": ItemSpec(resharder=DefaultResharder())},
-        save=CheckpointManager.Config.with_sync_save().save,
-    )
-    done = CheckpointManager(config).save(out, {"model": sd})
-    if hasattr(done, "result"):
-        done.result()
+    _tc_save(out, {"model": sd}, ("model",))
     return "written"
