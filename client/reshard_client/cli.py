@@ -53,6 +53,14 @@ SplitLayersOpt = Annotated[
         "before --rename.",
     ),
 ]
+DequantizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="fp8-block: dequantize block-scaled FP8 weights (x their *_scale_inv per "
+        "128x128 block, in float32) to --dtype (default bf16) and drop the scales. Without "
+        "it, FP8 tensors and their scales keep their dtype under --dtype."
+    ),
+]
 StripPrefixOpt = Annotated[
     str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
 ]
@@ -242,6 +250,7 @@ def convert(
     strip_prefix: StripPrefixOpt = None,
     rename: RenameOpt = None,
     split_layers: SplitLayersOpt = False,
+    dequantize: DequantizeOpt = None,
     no_copy_config: Annotated[
         bool,
         typer.Option(
@@ -265,6 +274,7 @@ def convert(
             workers_per_node=workers, overwrite=overwrite, only=only or None,
             strip_prefix=strip_prefix, copy_config=not no_copy_config,
             rename=[str(r) for r in renames] if renames else None, split_layers=split_layers,
+            dequantize=dequantize,
         ).checked()  # fmt: skip
         spec.preflight()  # before any worker starts
     except ReshardError as e:
@@ -318,6 +328,8 @@ def _report(outcome: Any, what: str, as_json: bool) -> None:
     cast = ""
     if done.get("cast") or done.get("kept"):
         cast = f"; {done.get('cast', 0)} cast, {done.get('kept', 0)} kept their dtype"
+    if done.get("dequantized"):
+        cast += f", {done['dequantized']} FP8 weights dequantized"
     note = " (interrupted after the commit: it is complete)" if outcome.interrupted else ""
     out.print(
         f"[green]converted[/] {what}: {done['tensors']} tensors, "

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from reshard_client.cli import (
+    DequantizeOpt,
     OnlyOpt,
     OverwriteOpt,
     RenameOpt,
@@ -121,6 +122,7 @@ def submit(
     strip_prefix: StripPrefixOpt = None,
     rename: RenameOpt = None,
     split_layers: SplitLayersOpt = False,
+    dequantize: DequantizeOpt = None,
     no_copy_config: Annotated[
         bool, typer.Option("--no-copy-config", help="--format hf: do not copy the config.")
     ] = False,
@@ -147,7 +149,7 @@ def submit(
                 "max_memory": max_memory, "overwrite": overwrite or None, "only": only,
                 "strip_prefix": strip_prefix, "copy_config": False if no_copy_config else None,
                 "rename": [str(r) for r in renames] if renames else None,
-                "split_layers": split_layers or None}  # fmt: skip
+                "split_layers": split_layers or None, "dequantize": dequantize}  # fmt: skip
     # The server sees only absolute paths: a relative one is this shell's, resolved here.
     spec: dict[str, Any] = {"source": _absolute(src), "target": _absolute(dst), "format": format,
                             "nodes": nodes, "strategy": strategy, "checksum": checksum}  # fmt: skip

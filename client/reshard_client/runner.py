@@ -139,7 +139,7 @@ def run_in_process(spec: Any, progress: ProgressOut) -> Outcome:
         "event": "done", "strategy": result.strategy, "seconds": round(time.time() - started, 3),
         "bytes_read": result.bytes_read_total, "bytes_written": result.bytes_written_total,
         "bytes_exchanged": result.bytes_exchanged, "tensors": len(result.index.tensors),
-        "cast": result.cast, "kept": result.kept,
+        "cast": result.cast, "kept": result.kept, "dequantized": result.dequantized,
     })  # fmt: skip
 
 

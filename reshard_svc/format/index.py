@@ -170,13 +170,25 @@ class Blob:
     begin: int
     end: int
     encoding: str = "torch_save"
+    #: the state-dict key its value sits at when that is not its name (``""``: the root,
+    #: as Megatron's ``common.pt``; ``step`` for torch_checkpointing's ``step/rank0``)
+    key: str | None = None
 
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
 
+    @property
+    def value_key(self) -> str:
+        return self.name if self.key is None else self.key
+
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "byte_range": [self.begin, self.end], "encoding": self.encoding}
+        out: dict[str, Any] = {
+            "file": self.file, "byte_range": [self.begin, self.end], "encoding": self.encoding
+        }  # fmt: skip
+        if self.key is not None:
+            out["key"] = self.key
+        return out
 
 
 BLOB_ENCODINGS = ("torch_save", "raw")
@@ -322,7 +334,8 @@ class CheckpointIndex:
         spans: dict[str, list[tuple[int, int, str]]] = {}
         for t in self.tensors.values():
             for c in t.chunks:
-                if c.end > c.begin:
+                # "@": a slice of a stored item (--split-layers), which its siblings share
+                if c.end > c.begin and "@" not in c.encoding:
                     spans.setdefault(c.file, []).append((c.begin, c.end, t.name))
         for b in self.blobs.values():
             meta = self.files.get(b.file)
@@ -357,7 +370,10 @@ def _blob_from_json(name: str, b: Any, where: str) -> Blob:
         raise CorruptCheckpointError(
             f"{where}: encoding {encoding!r} is not one of {BLOB_ENCODINGS}"
         )
-    return Blob(name, file, rng[0], rng[1], encoding)
+    key = b.get("key")
+    if key is not None and (not isinstance(key, str) or len(key) > 4096):
+        raise CorruptCheckpointError(f"{where}: key must be text")
+    return Blob(name, file, rng[0], rng[1], encoding, key)
 
 
 def _checksum_settings(data: Mapping[str, Any], version: int, where: str) -> tuple[str, int | None]:

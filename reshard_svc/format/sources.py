@@ -130,7 +130,8 @@ def _megatron(storage: Storage, index: CheckpointIndex) -> CheckpointIndex:
     sizes = storage.sizes()
     if MEGATRON_COMMON in sizes:
         size = sizes[MEGATRON_COMMON]
-        index.blobs[MEGATRON_COMMON] = Blob(MEGATRON_COMMON, MEGATRON_COMMON, 0, size)
+        # its non-sharded values (iteration, optimizer param_groups) sit at the state dict's root
+        index.blobs[MEGATRON_COMMON] = Blob(MEGATRON_COMMON, MEGATRON_COMMON, 0, size, key="")
         index.files[MEGATRON_COMMON] = FileMeta(size)
     return index
 

@@ -368,7 +368,8 @@ def _uncovered_rank_files(sizes: Mapping[str, int], covered: set[str]) -> dict[s
         m = _RANK_FILE.fullmatch(f)
         if m and f not in covered:
             name = f"{m.group(1)}/rank{m.group(2)}"
-            blobs[name] = Blob(name, f, 0, sizes[f], "torch_save")
+            # each rank's own value of the item: `load` gives a rank its own copy
+            blobs[name] = Blob(name, f, 0, sizes[f], "torch_save", key=m.group(1))
     return blobs
 
 

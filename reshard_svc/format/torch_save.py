@@ -23,7 +23,15 @@ import torch
 from reshard_svc.errors import CorruptCheckpointError
 from reshard_svc.storage import Storage
 
-__all__ = ["SKIP", "Archives", "TensorRef", "plain_values", "read_ints", "zip_crc_table"]
+__all__ = [
+    "SKIP",
+    "Archives",
+    "TensorRef",
+    "inert_load",
+    "plain_values",
+    "read_ints",
+    "zip_crc_table",
+]
 
 _MAX_DEPTH = 64
 
@@ -63,10 +71,11 @@ class _Inert:
 
 
 class _InertType(type):
-    """A stand-in for a named class: constructing or calling it yields an inert object."""
+    """A stand-in for a named class: constructing or calling it yields an inert object of
+    the stand-in's type (so its name can be reported)."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return _Inert()
+        return super().__call__()
 
 
 _STORAGE_DTYPES = {
@@ -135,7 +144,7 @@ class _InertUnpickler(pickle.Unpickler):
             return _StorageType(_STORAGE_DTYPES[name])
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        return _InertType(name, (_Inert,), {})
+        return _InertType(f"{module}.{name}", (_Inert,), {})
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -145,6 +154,11 @@ class _InertUnpickler(pickle.Unpickler):
         if not isinstance(key, str) or not isinstance(numel, int):
             return _Inert()
         return _StorageRef(key, dtype, numel)
+
+
+def inert_load(data: bytes) -> Any:
+    """A ``data.pkl`` walked by :class:`_InertUnpickler` (nothing imported or run)."""
+    return _InertUnpickler(io.BytesIO(data)).load()
 
 
 # ---------------------------------------------------------------- zip records
@@ -265,7 +279,7 @@ class Archives:
                 raise CorruptCheckpointError(f"{file} is {order!r}-endian; only little is read")
             raw = _read_record(self.storage, a, "data.pkl")
             try:
-                self._trees[file] = _InertUnpickler(io.BytesIO(raw)).load()
+                self._trees[file] = inert_load(raw)
             except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
                     KeyError, AttributeError, RecursionError, MemoryError) as e:  # fmt: skip
                 raise CorruptCheckpointError(f"{file}: data.pkl is unreadable: {e}") from e

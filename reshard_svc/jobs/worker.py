@@ -149,6 +149,7 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
             "tensors": len(result.index.tensors),
             "cast": result.cast,
             "kept": result.kept,
+            "dequantized": result.dequantized,
         }
     )
     if dist.is_initialized():

@@ -3,10 +3,18 @@
 Four steps, in this order:
 
 0. ``split_layers`` (opt-in): Megatron-Core stacks a module's per-layer tensors along a
-   prepended axis, ``decoder.layers.mlp.linear_fc1.weight`` of shape ``[L, ...]`` (and
-   MoE experts along a second, ``decoder.layers.mlp.experts.linear_fc1.weight`` of shape
-   ``[L, E, ...]``). Each ``layers`` / ``experts`` name segment not already followed by a
-   number consumes one leading axis: ``decoder.layers.3.mlp.experts.5.linear_fc1.weight``.
+   prepended axis, ``decoder.layers.mlp.linear_fc1.weight`` of shape ``[L, ...]``, and
+   MoE experts along the next one: ``decoder.layers.mlp.experts.experts.linear_fc1.weight``
+   of shape ``[L, E, rows, cols]`` (its grouped and its sequential experts share that key).
+   A name has at most two stacked axes, in that order (see :func:`stacked_axes`): a
+   ``layers`` segment not followed by a number (the layer index goes after it), and an
+   expert axis when its last ``experts`` / ``local_experts`` segment is not followed by a
+   number (the expert index goes after that segment). So the key above becomes
+   ``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight`` — the name Megatron itself
+   gives one expert (``singleton_local_shards``); optimizer states
+   (``optimizer.state.exp_avg.decoder.layers...``) split as their parameters do. A Megatron
+   source must also say so in its chunks (one layer per stored chunk along the layer axis,
+   as Megatron prepends it); a split that cannot be proven is refused, naming the tensor.
 1. ``rename``: ordered ``FROM_GLOB=TO_PATTERN`` rules. The first rule whose glob matches a
    name renames it; each ``*`` in the glob captures text (dots included) and the n-th
    ``*`` of the pattern is replaced by the n-th capture; ``?`` matches one character.
@@ -36,10 +44,15 @@ from reshard_svc.errors import UsageError
 from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Box
 
-__all__ = ["Rename", "load_renames", "parse_renames", "select_tensors", "split_layers"]
-
-#: Name segments that mark a stacked axis, in the order Megatron-Core prepends them.
-STACKED_SEGMENTS = ("layers", "experts")
+__all__ = [
+    "Rename",
+    "StackedAxis",
+    "load_renames",
+    "parse_renames",
+    "select_tensors",
+    "split_layers",
+    "stacked_axes",
+]
 
 #: Most rules one convert takes (a model's worth of per-module renames is a few dozen).
 MAX_RULES = 1000
@@ -183,61 +196,110 @@ def _check_unique(mapping: Mapping[str, str], what: str) -> None:
         seen[new] = old
 
 
-def _stacked_axes(name: str) -> list[int]:
-    """Positions (in the dot-split name) after which a stacked-axis index is inserted."""
-    parts = name.split(".")
-    return [
-        i
-        for i, p in enumerate(parts)
-        if p in STACKED_SEGMENTS and i + 1 < len(parts) and not parts[i + 1].isdigit()
-    ]
+#: Segments that name a stacked expert axis (the last one in a name decides).
+EXPERT_SEGMENTS = ("experts", "local_experts")
 
 
-def _split_chunk(chunk: Chunk, layer: int, itemsize: int, name: str) -> Chunk | None:
-    """The part of ``chunk`` at index ``layer`` of its leading axis, without that axis."""
+@dataclass(frozen=True, slots=True)
+class StackedAxis:
+    """A leading axis of a stacked tensor: ``kind`` (``layers`` / ``experts``) and the name
+    segment after which its index is inserted."""
+
+    kind: str
+    after: int
+
+
+def stacked_axes(meta: TensorMeta, source: str) -> list[StackedAxis]:
+    """The stacked leading axes of ``meta``, in axis order (see the module doc); empty when
+    its name declares none. Refuses (:class:`UsageError`, naming the tensor) a name with
+    two stacked ``layers`` segments, a tensor the split would leave with no dims, and a
+    Megatron tensor whose chunks contradict its name (more than one layer per chunk)."""
+    parts = meta.name.split(".")
+
+    def stacked(i: int) -> bool:
+        return i + 1 < len(parts) and not parts[i + 1].isdigit()
+
+    layers = [i for i, p in enumerate(parts) if p == "layers" and stacked(i)]
+    if len(layers) > 1:
+        raise UsageError(
+            f"--split-layers: {meta.name!r} has {len(layers)} stacked 'layers' segments; "
+            "which axis is which is ambiguous (rename it first, or leave --split-layers off)"
+        )
+    axes = [StackedAxis("layers", layers[0])] if layers else []
+    experts = [i for i, p in enumerate(parts) if p in EXPERT_SEGMENTS]
+    if experts and stacked(experts[-1]) and (not layers or experts[-1] > layers[0]):
+        axes.append(StackedAxis("experts", experts[-1]))
+    if not axes:
+        return []
+    if len(meta.shape) <= len(axes):
+        raise UsageError(
+            f"--split-layers: {meta.name!r} has shape {list(meta.shape)}; its name declares "
+            f"{len(axes)} stacked axes ({', '.join(a.kind for a in axes)}), which would leave "
+            "no dims: it is not stacked as its name says (rename it, or leave --split-layers off)"
+        )
+    if source == "megatron" and any(c.box.sizes[0] != 1 for c in meta.chunks):
+        sizes = sorted({c.box.sizes[0] for c in meta.chunks})
+        raise UsageError(
+            f"--split-layers: {meta.name!r} is stored {sizes} along its leading axis per "
+            "chunk, but Megatron-Core stores stacked axes one layer per chunk: its leading "
+            f"axis is not the stacked {axes[0].kind} axis its name suggests"
+        )
+    return axes
+
+
+def _split_chunk(chunk: Chunk, index: int, itemsize: int) -> Chunk | None:
+    """The part of ``chunk`` at ``index`` of its leading axis, without that axis.
+
+    Raw chunks become the byte range of that slice. A ``torch_save`` item (read whole and
+    decoded) gets a selection suffix per axis taken (``torch_save@0,2``: slice 0 of the
+    decoded item's first axis, then slice 2 of the next), so each slice's tensor reads the
+    item and keeps its own slice."""
     box = chunk.box
-    lo = layer - box.offsets[0]
+    lo = index - box.offsets[0]
     if not 0 <= lo < box.sizes[0]:
         return None
     inner = Box(box.offsets[1:], box.sizes[1:])
     if chunk.encoding == "raw":
         step = inner.numel * itemsize
         return Chunk(inner, chunk.file, chunk.begin + lo * step, chunk.begin + (lo + 1) * step)
-    if box.sizes[0] != 1:
-        raise UsageError(
-            f"--split-layers: {name!r} is stored in items spanning {box.sizes[0]} layers "
-            f"({chunk.file}@{chunk.begin}), which cannot be read one layer at a time"
-        )
-    return Chunk(inner, chunk.file, chunk.begin, chunk.end, chunk.encoding)
+    picks = f"{chunk.encoding},{lo}" if "@" in chunk.encoding else f"{chunk.encoding}@{lo}"
+    return Chunk(inner, chunk.file, chunk.begin, chunk.end, picks)
 
 
 def split_layers(index: CheckpointIndex) -> CheckpointIndex:
     """Stacked-layer tensors as one tensor per layer (and per expert); see the module doc."""
     tensors: dict[str, TensorMeta] = {}
-    todo = list(index.tensors.values())
-    while todo:
-        meta = todo.pop()
-        axes = _stacked_axes(meta.name)
-        if not axes or len(meta.shape) < 2:
-            if meta.name in tensors:
-                raise UsageError(f"--split-layers makes {meta.name!r}, which already exists")
-            tensors[meta.name] = meta
-            continue
-        parts = meta.name.split(".")
-        for layer in range(meta.shape[0]):
-            name = ".".join([*parts[: axes[0] + 1], str(layer), *parts[axes[0] + 1 :]])
-            chunks = [
-                c
-                for c in (_split_chunk(c, layer, meta.itemsize, meta.name) for c in meta.chunks)
-                if c is not None
-            ]
-            todo.append(TensorMeta(name, meta.dtype, meta.shape[1:], None, tuple(chunks)))
+    for meta in index.tensors.values():
+        axes = stacked_axes(meta, index.source)
+        for meta_out in _split(meta, axes):
+            if meta_out.name in tensors or (
+                meta_out is not meta and meta_out.name in index.tensors
+            ):
+                raise UsageError(f"--split-layers makes {meta_out.name!r}, which already exists")
+            tensors[meta_out.name] = meta_out
     if tensors.keys() == index.tensors.keys():
         raise UsageError("--split-layers: no tensor has a stacked 'layers' or 'experts' axis")
     clash = set(tensors) & {*index.extras, *index.blobs}
     if clash:
         raise UsageError(f"--split-layers makes names that already exist: {sorted(clash)[:3]}")
     return dc_replace(index, tensors=dict(sorted(tensors.items())))
+
+
+def _split(meta: TensorMeta, axes: Sequence[StackedAxis]) -> list[TensorMeta]:
+    """``meta`` cut along its stacked axes, the indices inserted into its name."""
+    metas = [(meta, meta.name.split("."))]
+    for depth, axis in enumerate(axes):
+        out = []
+        for m, parts in metas:
+            for i in range(m.shape[0]):
+                chunks = [c for c in (_split_chunk(c, i, m.itemsize) for c in m.chunks) if c]
+                at = axis.after + 1 + depth  # earlier insertions shift later positions by one
+                named = [*parts[:at], str(i), *parts[at:]]
+                out.append(
+                    (TensorMeta(".".join(named), m.dtype, m.shape[1:], None, tuple(chunks)), named)
+                )
+        metas = out
+    return [m for m, _ in metas]
 
 
 def select_tensors(

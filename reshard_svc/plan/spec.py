@@ -34,6 +34,7 @@ from reshard_svc.layout.mesh import MAX_MESH_SIZE
 
 __all__ = [
     "CHECKSUMS",
+    "DEQUANTIZE",
     "DTYPES",
     "EVENT_KINDS",
     "FORMATS",
@@ -231,6 +232,16 @@ def _glob_list(name: str, value: Any, *, required: bool = False) -> list[str] | 
     return [str(_text(name, g)) for g in value] or None
 
 
+#: What ``dequantize`` accepts (:data:`reshard_svc.plan.quant.DEQUANTIZE`, without torch).
+DEQUANTIZE = ("fp8-block",)
+
+
+def _dequantize(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _choice("dequantize", value, DEQUANTIZE)
+
+
 def _renames(value: Any) -> list[str] | None:
     from reshard_svc.plan.names import parse_renames
 
@@ -269,6 +280,9 @@ class ConvertSpec:
     rename: list[str] | None = None
     #: split Megatron-style stacked ``layers``/``experts`` axes into per-layer names first
     split_layers: bool = False
+    #: ``fp8-block``: FP8 weights times their 128x128 block scales, cast to ``dtype`` (bf16
+    #: by default); the scales are dropped (see :mod:`reshard_svc.plan.quant`)
+    dequantize: str | None = None
     #: an HF export copies the source's config and tokenizer files (when it has them)
     copy_config: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -304,6 +318,7 @@ class ConvertSpec:
             only=_glob_list("only", self.only, required=True),
             rename=_renames(self.rename),
             split_layers=_flag("split_layers", self.split_layers),
+            dequantize=_dequantize(self.dequantize),
             strip_prefix=_text("strip_prefix", self.strip_prefix),
             copy_config=_flag("copy_config", self.copy_config),
         )
@@ -404,6 +419,7 @@ class ConvertSpec:
             argv.append("--no-copy-config")
         for flag, value in (
             ("--dtype", self.dtype),
+            ("--dequantize", self.dequantize),
             ("--max-memory", self.max_memory),
             ("--max-shard-size", self.max_shard_size),
             ("--strip-prefix", self.strip_prefix),
@@ -445,7 +461,7 @@ class ConvertSpec:
             nodes=nodes, workers_per_node=workers_per_node,
             overwrite=args.overwrite, only=args.only, strip_prefix=args.strip_prefix,
             keep_dtype=args.keep_dtype, copy_config=not args.no_copy_config,
-            rename=args.rename, split_layers=args.split_layers,
+            rename=args.rename, split_layers=args.split_layers, dequantize=args.dequantize,
             extra={"progress_file": args.progress_file},
         ).checked()  # fmt: skip
 
@@ -464,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rules", help="YAML/JSON file (or inline JSON): tensor glob -> placements")
     c.add_argument("--format", choices=FORMATS, default="native")
     c.add_argument("--dtype", help="cast floating-point tensors on the fly: bf16, fp16, fp32, fp64")
+    c.add_argument("--dequantize", choices=DEQUANTIZE,
+                   help="fp8-block: FP8 weights times their 128x128 block scales, cast to --dtype "
+                   "(default bf16); the scales are dropped")  # fmt: skip
     c.add_argument("--strategy", choices=STRATEGIES, default="auto")
     c.add_argument("--max-memory", help="byte budget per worker, e.g. 1GiB")
     c.add_argument("--max-shard-size", help="HF export: cap per file, e.g. 5GB")
@@ -514,7 +533,7 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 
 #: Fields an event may carry: a done event says how many tensors a cast changed or kept.
 _OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "done": {"cast": int, "kept": int},
+    "done": {"cast": int, "kept": int, "dequantized": int},
 }
 
 

@@ -19,8 +19,9 @@ import contextlib
 import fnmatch
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from typing import Any
 
 import torch
@@ -33,7 +34,9 @@ from reshard_svc.format.collect import TargetRun
 from reshard_svc.format.hf import HF_INDEX
 from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name
+from reshard_svc.format.values import flat_values
 from reshard_svc.layout import Box, Mesh
+from reshard_svc.plan.items import Held, Piece, Wave
 from reshard_svc.plan.names import parse_renames, select_tensors, split_layers
 from reshard_svc.plan.output import (
     DEFAULT_SHARD_SIZE,
@@ -42,6 +45,7 @@ from reshard_svc.plan.output import (
     plan_native,
     target_bands,
 )
+from reshard_svc.plan.quant import dequantize_box, fp8_pairs, is_fp8, scale_box, scale_tensors
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.plan.rules import load_rules, resolve_layouts
 from reshard_svc.plan.spec import ConvertSpec, Format, parse_mesh, parse_size
@@ -70,7 +74,8 @@ class ConvertResult:
     bytes_written_total: int
     waves: int
     cast: int = 0  # tensors cast to the spec's dtype
-    kept: int = 0  # floating tensors that kept theirs (0-dim, or matched by keep_dtype)
+    kept: int = 0  # floating tensors that kept theirs (0-dim, FP8 and scales, keep_dtype)
+    dequantized: int = 0  # FP8 weights dequantized with their block scales
 
 
 def convert(
@@ -95,6 +100,7 @@ def convert(
     copy_config: bool = True,
     rename: Sequence[str] | Mapping[str, str] | None = None,
     split_layers: bool = False,
+    dequantize: str | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
 
@@ -113,7 +119,10 @@ def convert(
     (``"FROM_GLOB=TO_PATTERN"`` rules or an ordered ``{FROM: TO}``) renames first, e.g.
     ``rename=["layers.*.wq.weight=model.layers.*.q_proj.weight"]``; before that,
     ``split_layers=True`` makes Megatron-Core's stacked ``[L, ...]`` tensors one tensor per
-    layer (see :mod:`reshard_svc.plan.names`).
+    layer (see :mod:`reshard_svc.plan.names`). FP8 tensors and their scales keep their
+    dtype under ``dtype``; ``dequantize="fp8-block"`` multiplies block-scaled FP8 weights by
+    their ``*_scale_inv`` (in float32), casts them to ``dtype`` (bf16 by default) and drops
+    the scales (see :mod:`reshard_svc.plan.quant`).
 
     The arguments make one :class:`~reshard_svc.plan.spec.ConvertSpec` (the job contract
     the CLI, the server and the worker use too), checked in one place.
@@ -126,11 +135,41 @@ def convert(
         checksum=check_algorithm(checksum), max_memory=_size_text(max_memory),
         max_shard_size=_size_text(max_shard_size), overwrite=overwrite,
         only=list(only) if only else None, strip_prefix=strip_prefix, copy_config=copy_config,
-        rename=_rename_texts(rename), split_layers=split_layers,
+        rename=_rename_texts(rename), split_layers=split_layers, dequantize=dequantize,
     ).checked()  # fmt: skip
     conversion = Conversion(spec, process_group=process_group, storage_options=storage_options)
     with collector_paused():  # see reshard_svc._collector: no full collection mid-run
         return conversion.run(progress)
+
+
+def scale_rows(shape: Sequence[int], ranks: Mapping[int, tuple[int, int]]) -> list[Held]:
+    """Row ranges of a scale tensor that ranks need, as disjoint full-width boxes, each with
+    every rank that needs it (an interval sweep over the range ends)."""
+    cuts = sorted({x for lo, hi in ranks.values() for x in (lo, hi)})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        holders = tuple(sorted(r for r, (a, b) in ranks.items() if a <= lo and hi <= b))
+        if holders:
+            box = Box((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:]))
+            out.append(Held(box=box, holders=holders))
+    return out
+
+
+class _IntoScales:
+    """The scale pass's destination: each rank's rows of the scale tensors it needs."""
+
+    def __init__(self, plan: ReadPlan, held: dict[str, tuple[Box, torch.Tensor]]) -> None:
+        self.targets, self.held = plan.targets, held
+
+    def view(self, piece: Piece) -> torch.Tensor:
+        at, buf = self.held[self.targets[piece.target].tensor]
+        return buf[piece.box.slices_in(at)]
+
+    def take(self, piece: Piece, data: torch.Tensor) -> bool:
+        return False
+
+    def wave_done(self, wave: Wave) -> None:
+        pass
 
 
 def _rename_texts(rename: Sequence[str] | Mapping[str, str] | None) -> list[str] | None:
@@ -204,6 +243,7 @@ class Conversion:
         return ConvertResult(
             index, chosen, bytes_read, sum(r[0] for r in results), plan.bytes_exchanged(),
             sum(f.size for f in index.files.values()), len(plan.waves), self.cast, self.kept,
+            len(self.pairs),
         )  # fmt: skip
 
     # ---- steps
@@ -217,6 +257,13 @@ class Conversion:
         if spec.split_layers:
             index = split_layers(index)
         self.index = select_tensors(index, spec.only, spec.strip_prefix, parse_renames(spec.rename))
+        # --dequantize: the source keeps the scales (they are read); the output drops them
+        self.source_index = self.index
+        self.pairs = fp8_pairs(self.index.tensors) if spec.dequantize else {}
+        if self.pairs:
+            scales = {p.scale for p in self.pairs.values()}
+            kept = {n: m for n, m in self.index.tensors.items() if n not in scales}
+            self.index = dc_replace(self.index, tensors=kept)
         self.target = open_storage(spec.target, self.storage_options)
         native = spec.format == Format.NATIVE
         self.layouts = resolve_layouts(self.index, self.mesh, spec.rules) if native else {}
@@ -236,8 +283,9 @@ class Conversion:
     def plan(self) -> tuple[OutputPlan, ReadPlan, dict[tuple[str, Box], tuple[str, int]], str]:
         """The output plan, where each target band lands, and the read plan (``auto``:
         the cheaper strategy for this source storage)."""
+        dequant_to = (self.out_dtype or torch.bfloat16) if self.pairs else None
         self.dtypes, self.cast, self.kept = cast_dtypes(
-            self.index, self.out_dtype, self.spec.keep_dtype
+            self.index, self.out_dtype, self.spec.keep_dtype, dequant_to
         )
         world = self.comm.world
         if self.spec.format == Format.NATIVE:
@@ -245,6 +293,7 @@ class Conversion:
             out = plan_native(self.index, self.layouts, self.dtypes, world, self.token, suffix)
         else:
             out = plan_hf(self.index, self.dtypes, world, self.shard_cap)
+        self.file_writer = {f.name: f.writer for f in out.files}
         wanted, where = target_bands(out, self.index, self.budget)
         warn_if_over_budget(self.index, wanted, self.budget)
         plan = choose_plan(
@@ -266,9 +315,11 @@ class Conversion:
     ) -> tuple[int, list[Any]]:
         """Open this worker's files, run the waves, close the files: (bytes this worker
         read, every worker's [bytes read, [(file, size, checksums)]])."""
+        transforms = self.read_scales(where) if self.pairs else {}
         sink = BandSink(
-            plan, self.dtypes, where, self.writers, BufferPool(max(1, self.budget // 2))
-        )
+            plan, self.dtypes, where, self.writers, BufferPool(max(1, self.budget // 2)),
+            transforms={n: (self.index.tensors[n].dtype, f) for n, f in transforms.items()},
+        )  # fmt: skip
 
         def open_writers() -> None:
             for spec in out.files:
@@ -291,6 +342,51 @@ class Conversion:
         _, results = self.comm.run_everywhere("convert: closing output files", close_all)
         return bytes_read, results
 
+    def read_scales(
+        self, where: dict[tuple[str, Box], tuple[str, int]]
+    ) -> dict[str, Callable[[Box, torch.Tensor], torch.Tensor]]:
+        """``--dequantize``: every worker gets the scale rows its own bands of FP8 weights
+        need (one plan and exchange of their own: each stored scale byte read once), and a
+        transform per weight that dequantizes a band with them."""
+        need: dict[str, dict[int, tuple[int, int]]] = {}  # scale -> rank -> its rows
+        for (tensor, box), (fname, _) in where.items():
+            pair = self.pairs.get(tensor)
+            if pair is None or not box.numel:
+                continue
+            sbox = scale_box(box)
+            lo, hi = sbox.offsets[0], sbox.offsets[0] + sbox.sizes[0]
+            ranks = need.setdefault(pair.scale, {})
+            rank = self.file_writer[fname]
+            got = ranks.get(rank)
+            ranks[rank] = (min(lo, got[0]), max(hi, got[1])) if got else (lo, hi)
+        wanted = {
+            s: scale_rows(self.source_index.tensors[s].shape, ranks) for s, ranks in need.items()
+        }
+        held: dict[str, tuple[Box, torch.Tensor]] = {}
+        for s, ranks in need.items():
+            if self.comm.rank in ranks:
+                lo, hi = ranks[self.comm.rank]
+                shape = self.source_index.tensors[s].shape
+                at = Box((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:]))
+                held[s] = (at, torch.empty(at.sizes, dtype=self.source_index.tensors[s].dtype))
+        plan = choose_plan(
+            self.source_index, wanted, self.comm.world, self.budget, str(self.spec.strategy),
+            StorageCost.of(self.storage),
+        )  # fmt: skip
+        source = StorageSource(
+            self.storage, {n: m.dtype for n, m in self.source_index.tensors.items()},
+            self.comm.rank, self.source_index.block_tables(),
+        )  # fmt: skip
+        execute(plan, source, self.comm, _IntoScales(plan, held))
+        out_dtypes = self.dtypes
+
+        def transform(weight: str) -> Callable[[Box, torch.Tensor], torch.Tensor]:
+            at, scale = held[self.pairs[weight].scale]
+            return lambda box, data: dequantize_box(data, box, scale, at, out_dtypes[weight])
+
+        mine = {t for (t, _), (f, _) in where.items() if self.file_writer[f] == self.comm.rank}
+        return {w: transform(w) for w in self.pairs if w in mine and self.pairs[w].scale in held}
+
     def result_index(self, out: OutputPlan, results: list[Any]) -> CheckpointIndex:
         block_size = DEFAULT_BLOCK_SIZE if self.spec.checksum != "none" else None
         files = {
@@ -304,7 +400,7 @@ class Conversion:
                 for n, m in self.index.tensors.items()
             },
             files=files,
-            extras=dict(self.index.extras),
+            extras=flat_values(self.index.extras),
             created_by=f"reshard_svc {__version__}",
             checksum=self.spec.checksum,
             block_size=block_size,
@@ -347,23 +443,38 @@ class Conversion:
 
 
 def cast_dtypes(
-    index: CheckpointIndex, dtype: torch.dtype | None, keep: Sequence[str] | None
+    index: CheckpointIndex,
+    dtype: torch.dtype | None,
+    keep: Sequence[str] | None,
+    dequantize_to: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.dtype], int, int]:
     """Each tensor's output dtype, and how many were cast and how many kept theirs.
 
     A cast applies to floating-point tensors of one or more dims: 0-dim scalars (an
-    optimizer's ``step``) and names matching a ``keep`` glob keep their dtype; integer and
-    bool tensors are never cast. A ``keep`` glob that matches no tensor is a typo."""
+    optimizer's ``step``), FP8 tensors and their scales (their values mean nothing without
+    each other; see :mod:`reshard_svc.plan.quant`) and names matching a ``keep`` glob keep
+    their dtype; integer and bool tensors are never cast. With ``dequantize_to``, FP8
+    tensors (all paired with their scales, which the caller dropped) become that dtype and
+    are counted apart. A ``keep`` glob that matches no tensor is a typo."""
     for glob in keep or ():
         if not any(fnmatch.fnmatchcase(n, glob) for n in index.tensors):
             raise UsageError(f"--keep-dtype {glob!r} matches no tensor")
     out: dict[str, torch.dtype] = {}
     cast = kept = 0
+    scales = scale_tensors(index.tensors)
     for name, meta in index.tensors.items():
         out[name] = meta.dtype
+        if dequantize_to is not None and is_fp8(meta.dtype):
+            out[name] = dequantize_to
+            continue
         if dtype is None or not meta.dtype.is_floating_point:
             continue
-        if not meta.shape or any(fnmatch.fnmatchcase(name, g) for g in keep or ()):
+        if (
+            not meta.shape
+            or is_fp8(meta.dtype)
+            or name in scales
+            or any(fnmatch.fnmatchcase(name, g) for g in keep or ())
+        ):
             kept += 1
         else:
             out[name] = dtype

@@ -20,12 +20,13 @@ import torch
 from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
 from reshard_svc.format.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
 from reshard_svc.format.sources import open_checkpoint
+from reshard_svc.format.values import StoredValues, opaque_in
 from reshard_svc.plan.items import Piece, Wave
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.executor import Progress, execute
 from reshard_svc.runtime.reading import StorageSource
-from reshard_svc.runtime.state_dict import flatten, unflatten
+from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import Placed, describe, gather
 from reshard_svc.storage import Storage, open_storage
 
@@ -118,7 +119,8 @@ def load(
     storage, index = open_shared(uri, comm, storage_options)
     got = gather(
         comm, f"load({uri!r}): matching keys",
-        lambda: ({"load": _match(state_dict, index, uri, strict)}, None),
+        lambda: ({"load": _match(state_dict, index, uri, strict,
+                                 StoredValues(index, storage, comm.rank))}, None),
     )  # fmt: skip
     placed, holdings = got.mine["load"], got.holdings["load"]
     warn_if_over_budget(index, holdings, max_memory)
@@ -136,21 +138,35 @@ def load(
 
 
 def _match(
-    state_dict: Mapping[str, Any], index: CheckpointIndex, uri: str, strict: bool
+    state_dict: Mapping[str, Any],
+    index: CheckpointIndex,
+    uri: str,
+    strict: bool,
+    values: StoredValues,
 ) -> dict[str, Placed]:
-    """Pair this rank's leaves with the checkpoint: JSON extras are filled in place, keys
+    """Pair this rank's leaves with the checkpoint: non-tensor values are filled in place
+    (:mod:`reshard_svc.format.values`: JSON extras, plain values of pickled items), keys
     checked (``strict``), and each tensor described as boxes this rank holds."""
     leaves = flatten(state_dict)  # type: ignore[arg-type]
     tensor_keys = {k for k, v in leaves.items() if v.kind != "extra"}
-    extra_keys = set(leaves) - tensor_keys
-    # An empty dict placeholder receives every stored extra nested under its name.
-    for name in sorted(extra_keys - set(index.extras)):
-        leaf = leaves[name]
-        nested = {k: v for k, v in index.extras.items() if k.startswith(name + ".")}
-        if leaf.value == {} and nested:
-            leaf.parent[leaf.key] = unflatten(nested, len(name) + 1)
-            extra_keys.discard(name)
-    missing = sorted((tensor_keys - set(index.tensors)) | (extra_keys - set(index.extras)))
+    found: dict[str, Any] = {}
+    opaque: list[str] = []
+    for name in sorted(set(leaves) - tensor_keys):
+        ok, value = values.get(name, like=leaves[name].value)
+        if not ok:
+            continue
+        hidden = opaque_in(value)
+        if hidden is not None:
+            opaque.append(
+                f"{name!r} is stored as a pickled object of type {hidden.type_name} (not plain "
+                f"data, so never unpickled here): read it with reshard_svc.read_blob({uri!r}, "
+                f"{hidden.blob!r})"
+            )
+        else:
+            found[name] = value
+    missing = sorted((tensor_keys - set(index.tensors)) | (set(leaves) - tensor_keys - set(found)))
+    if strict and opaque:
+        raise StateDictError(f"load({uri!r}): " + "; ".join(opaque[:4]))
     if strict and missing:
         raise StateDictError(
             f"load({uri!r}): missing from the checkpoint: {_names(missing)} (pass "
@@ -162,8 +178,8 @@ def _match(
         placed[name] = p = _place(name, leaves[name], index.tensors[name])
         if p.dtype != index.tensors[name].dtype:
             casts.setdefault((index.tensors[name].dtype, p.dtype), []).append(name)
-    for name in sorted(extra_keys & set(index.extras)):
-        leaves[name].parent[leaves[name].key] = index.extras[name]
+    for name, value in found.items():
+        leaves[name].parent[leaves[name].key] = value
     for (stored, wanted), names in casts.items():
         logger.warning(
             "load(%r): casting %d tensor(s) stored as %s to %s (e.g. %r)",

@@ -125,9 +125,15 @@ def _band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     from reshard_svc.format.dcp import decode_torch_save
 
     t = decode_torch_save(buf.numpy().tobytes(), f"{read.file}@{read.begin}")
-    lead = t.dim() - len(read.box.sizes)
-    if lead > 0 and tuple(t.shape[:lead]) == (1,) * lead:
-        t = t.reshape(t.shape[lead:])  # one layer of a stacked item (--split-layers)
+    _, _, picks = read.encoding.partition("@")
+    if picks:  # one layer (one expert) of a stacked item (--split-layers)
+        index = tuple(int(p) for p in picks.split(","))
+        if len(index) > t.dim() or any(not 0 <= i < n for i, n in zip(index, t.shape)):
+            raise CorruptCheckpointError(
+                f"{read.file}@{read.begin}: item of {read.tensor!r} has shape {list(t.shape)}, "
+                f"which has no slice {list(index)}"
+            )
+        t = t[index]
     if tuple(t.shape) != read.box.sizes:
         raise CorruptCheckpointError(
             f"{read.file}@{read.begin}: item of {read.tensor!r} has shape {list(t.shape)}, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,10 @@ from reshard_svc.plan.save import FileSpec
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool, tensor_bytes
 from reshard_svc.storage import Storage
 
-__all__ = ["BandSink", "FileWriter", "copy_blobs", "copy_model_files"]
+__all__ = ["BandSink", "FileWriter", "Transform", "copy_blobs", "copy_model_files"]
+
+#: What a band becomes before it is written: (its target box, its staged data) -> data
+Transform = Callable[[Box, torch.Tensor], torch.Tensor]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ def copy_blobs(
                 table.check(lo, data)
             start = writer.size
             writer.write(data[b.begin - lo : b.end - lo])
-            out[key] = Blob(key, name, start, writer.size, b.encoding)
+            out[key] = Blob(key, name, start, writer.size, b.encoding, b.key)
     block_size = DEFAULT_BLOCK_SIZE if algorithm != "none" else None
     return FileMeta.from_written(name, writer.size, writer.result(), block_size), out
 
@@ -75,6 +78,10 @@ class BandSink:
     a cache-sized run of rows at a time on the write thread, checksummed and written
     while in cache. Only a piece that needs a cast, or a band of more dims split inside
     its rows, lands in a pooled buffer (``view``) that goes back once written.
+
+    ``transforms`` (tensor -> (staging dtype, function)) gather a tensor's bands in the
+    staging dtype and write ``function(band box, band)`` instead (``--dequantize``: FP8
+    bands in, bf16 out).
     """
 
     def __init__(
@@ -84,10 +91,12 @@ class BandSink:
         where: dict[tuple[str, Box], tuple[str, int]],
         writers: dict[str, FileWriter],
         pool: BufferPool,
+        transforms: Mapping[str, tuple[torch.dtype, Transform]] | None = None,
     ) -> None:
         self.plan, self.dtypes, self.where, self.writers, self.pool = (
             plan, dtypes, where, writers, pool
         )  # fmt: skip
+        self.transforms = dict(transforms or {})
         self.buffers: dict[int, torch.Tensor] = {}
         self.taken: dict[int, list[tuple[Box, torch.Tensor]]] = {}
 
@@ -96,7 +105,9 @@ class BandSink:
         t = self.plan.targets[part.target]
         buf = self.buffers.get(part.target)
         if buf is None:
-            buf = self.buffers[part.target] = self.pool.take(t.box.sizes, self.dtypes[t.tensor])
+            staged = self.transforms.get(t.tensor)
+            dtype = staged[0] if staged else self.dtypes[t.tensor]
+            buf = self.buffers[part.target] = self.pool.take(t.box.sizes, dtype)
         return buf[part.box.slices_in(t.box)]
 
     def take(self, part: Piece, data: torch.Tensor) -> bool:
@@ -106,6 +117,7 @@ class BandSink:
         if (
             not part.box.ndim
             or part.target in self.buffers
+            or t.tensor in self.transforms
             or data.dtype != self.dtypes[t.tensor]
             or data.device.type != "cpu"
         ):
@@ -128,7 +140,11 @@ class BandSink:
             taken = self.taken.pop(ti, [])
             buf = self.buffers.pop(ti, None)
             writer = self.writers[fname]
-            if buf is not None:  # some pieces needed the buffer: assemble the rest there too
+            if buf is not None and t.tensor in self.transforms:
+                out = self.transforms[t.tensor][1](t.box, buf)
+                self.pool.give(buf)
+                writer.put(offset, out, None)
+            elif buf is not None:  # some pieces needed the buffer: assemble the rest there too
                 for box, data in taken:
                     buf[box.slices_in(t.box)] = data
                 writer.put(offset, buf, self.pool.give)

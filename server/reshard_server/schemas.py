@@ -20,6 +20,7 @@ from pydantic import (
 
 from reshard_svc.plan.spec import (
     CHECKSUMS,
+    DEQUANTIZE,
     FORMATS,
     MAX_WORKERS,
     STRATEGIES,
@@ -119,6 +120,11 @@ class JobCreate(BaseModel):
     split_layers: StrictBool = Field(
         default=False,
         description="split Megatron-Core's stacked layers/experts axes into per-layer tensors",
+    )
+    dequantize: Literal[DEQUANTIZE] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="fp8-block: FP8 weights x their 128x128 block scales, cast to dtype "
+        "(default bf16); the scales are dropped",
     )
 
     @field_validator("mesh", mode="before")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given
@@ -9,8 +11,15 @@ from hypothesis import strategies as st
 
 import reshard_svc
 from reshard_svc.errors import UsageError
+from reshard_svc.format.index import TensorMeta
 from reshard_svc.format.sources import open_checkpoint
-from reshard_svc.plan.names import Rename, load_renames, parse_renames, select_tensors
+from reshard_svc.plan.names import (
+    Rename,
+    load_renames,
+    parse_renames,
+    select_tensors,
+    stacked_axes,
+)
 from reshard_svc.plan.spec import ConvertSpec
 
 TITAN = {
@@ -144,3 +153,78 @@ def test_split_layers_reads_each_layer_from_stored_stacks(tmp_path):
                                sd["decoder.layers.mlp.experts.fc1.weight"][i, e])  # fmt: skip
     with pytest.raises(UsageError, match="no tensor has a stacked"):
         reshard_svc.convert(dst, str(tmp_path / "again"), split_layers=True)
+
+
+def _stacked(name: str, shape: tuple[int, ...]) -> list[str]:
+    meta = TensorMeta(name, torch.float32, shape, None, ())
+    return [f"{a.kind}@{name.split('.')[a.after]}" for a in stacked_axes(meta, "reshard")]
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "axes"),
+    [
+        # Megatron-Core 0.16's grouped and sequential experts share this key: [L, E, rows, cols]
+        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 2, 4, 3),
+         ["layers@layers", "experts@experts"]),
+        ("optimizer.state.exp_avg_sq.decoder.layers.mlp.experts.experts.linear_fc2.weight",
+         (2, 2, 3, 4), ["layers@layers", "experts@experts"]),
+        # experts already one per key (singleton_local_shards; a model's local_experts.N)
+        ("decoder.layers.mlp.experts.experts.3.linear_fc1.weight", (2, 4, 3), ["layers@layers"]),
+        ("decoder.layers.mlp.experts.local_experts.3.linear_fc1.weight", (2, 4, 3),
+         ["layers@layers"]),
+        ("decoder.layers.mlp.router.weight", (2, 8, 16), ["layers@layers"]),
+        ("decoder.layers.mlp.shared_experts.linear_fc1.weight", (2, 8, 16), ["layers@layers"]),
+        ("decoder.layers.3.mlp.experts.experts.linear_fc1.weight", (4, 8, 16), ["experts@experts"]),
+        ("decoder.final_layernorm.weight", (16,), []),
+    ],
+)  # fmt: skip
+def test_stacked_axes_follow_megatrons_keys(name, shape, axes):
+    assert _stacked(name, shape) == axes
+
+
+def test_grouped_experts_split_into_one_tensor_per_layer_and_expert(tmp_path):
+    """The issue's repro: a [L, E, rows, cols] expert weight from our own format."""
+    name = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    w = torch.arange(48.0).reshape(2, 2, 4, 3)
+    src, dst = str(tmp_path / "ck"), str(tmp_path / "hf")
+    reshard_svc.save({name: w}, src)
+    reshard_svc.convert(src, dst, format="hf", split_layers=True)
+    from safetensors.torch import load_file
+
+    got = load_file(f"{dst}/model-00001-of-00001.safetensors")
+    assert sorted(got) == [
+        f"decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc1.weight"
+        for i in range(2) for e in range(2)
+    ]  # fmt: skip
+    for i in range(2):
+        for e in range(2):
+            assert torch.equal(got[f"decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc1.weight"],
+                               w[i, e])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "words"),
+    [
+        ("a.layers.b.layers.c.weight", (2, 2, 4), "2 stacked 'layers'"),
+        ("decoder.layers.mlp.experts.experts.bias", (2, 4), "would leave no dims"),
+        ("decoder.layers.norm.weight", (4,), "would leave no dims"),
+    ],
+)
+def test_a_split_that_cannot_be_proven_is_refused(tmp_path, name, shape, words):
+    src = str(tmp_path / "ck")
+    reshard_svc.save({name: torch.zeros(shape)}, src)
+    with pytest.raises(UsageError, match=words) as e:
+        reshard_svc.convert(src, str(tmp_path / "out"), split_layers=True)
+    assert name in str(e.value)
+    assert not os.path.exists(tmp_path / "out" / "reshard.index.json")
+
+
+def test_a_megatron_layer_axis_must_be_one_layer_per_chunk():
+    from reshard_svc.format.index import Chunk
+    from reshard_svc.layout import Box
+
+    two = Chunk(Box((0, 0), (2, 4)), "a.distcp", 0, 100, "torch_save")
+    meta = TensorMeta("decoder.layers.x.weight", torch.float32, (2, 4), None, (two,))
+    with pytest.raises(UsageError, match="not the stacked layers axis"):
+        stacked_axes(meta, "megatron")
+    assert stacked_axes(meta, "reshard")[0].kind == "layers"  # ours: its name is the record

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
+import re
 
 import pytest
 import torch
@@ -90,3 +92,58 @@ def test_hf_export_says_it_drops_them(dcp_ckpt, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         reshard_svc.convert(src, str(tmp_path / "hf"), format="hf")
     assert any("not exported" in r.getMessage() for r in caplog.records)
+
+
+def test_plain_values_of_a_dcp_checkpoint_load_without_unpickling(tmp_path):
+    """DCP stores non-tensor values as pickled items: plain data loads into the state dict
+    (built by an unpickler that runs nothing), under torchtitan's flattened optimizer keys
+    and under get_optimizer_state_dict's list of param groups alike."""
+    path = str(tmp_path / "dcp")
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "params": ["w", "b"]},
+              {"lr": 1e-3, "betas": (0.8, 0.9), "eps": 1e-6, "params": ["n"]}]  # fmt: skip
+    dcp.save(
+        {
+            "model": {"w": torch.randn(4, 4)},
+            "train_state": {"step": 41, "name": "run-7", "loss": float("nan")},
+            "optimizer": {"param_groups.w.lr": 3e-4, "param_groups.w.weight_decay": 0.1},
+            "optim": {"param_groups": groups},
+        },
+        checkpoint_id=path,
+        no_dist=True,
+    )
+    want = {
+        "model": {"w": torch.zeros(4, 4)},
+        "train_state": {"step": 0, "name": "", "loss": 0.0},
+        "optimizer": {"param_groups.w.lr": 0.0, "param_groups.w.weight_decay": 0.0},
+        "optim": {"param_groups": []},
+    }
+    reshard_svc.load(want, path)
+    state = want["train_state"]
+    assert state["step"] == 41 and state["name"] == "run-7" and math.isnan(state["loss"])
+    assert want["optimizer"] == {"param_groups.w.lr": 3e-4, "param_groups.w.weight_decay": 0.1}
+    assert want["optim"]["param_groups"] == groups
+    # converted to our format, it loads the same (the items travel with their keys)
+    ours = str(tmp_path / "ours")
+    reshard_svc.convert(path, ours, mesh="tp=1")
+    again = {k: {kk: type(vv)() if not isinstance(vv, torch.Tensor) else torch.zeros(4, 4)
+                 for kk, vv in v.items()} for k, v in want.items()}  # fmt: skip
+    again["optim"]["param_groups"] = []
+    reshard_svc.load(again, ours)
+    assert again["train_state"]["step"] == 41 and math.isnan(again["train_state"]["loss"])
+    assert again["optim"]["param_groups"] == groups
+
+
+def test_a_pickled_object_that_is_not_plain_data_is_named_not_missing(tmp_path):
+    path = str(tmp_path / "dcp")
+    marker = tmp_path / "ran"
+    dcp.save({"w": torch.ones(2), "state": {"rng": Exploding(), "step": 3}},
+             checkpoint_id=path, no_dist=True)  # fmt: skip
+    sd = {"w": torch.zeros(2), "state": {"rng": None, "step": 0}}
+    with pytest.raises(StateDictError) as e:
+        reshard_svc.load(sd, path)
+    text = str(e.value)
+    assert re.search(r"'state.rng' is stored as a pickled object of type \w+\.exec", text)
+    assert "read_blob" in text and "missing" not in text
+    assert not marker.exists()
+    reshard_svc.load(sd, path, strict=False)  # the rest loads; the object is left alone
+    assert sd["state"] == {"rng": None, "step": 3} and torch.equal(sd["w"], torch.ones(2))
