@@ -71,7 +71,8 @@ def test_torch_checkpointing_inspect_verify_convert_load(titan, tmp_path):
     assert r.returncode == 0, r.stderr
     assert run(fw.load_and_compare, 2, nat, ref_file) == {0: [], 1: []}
     assert reshard_svc.verify(nat).ok
-    assert json.loads(open(f"{nat}/reshard.index.json").read())["extras"]["optim"]
+    # its param_groups, written flat as save writes them (what load asks for)
+    assert json.loads(open(f"{nat}/reshard.index.json").read())["extras"]["optim.param_groups"]
     # the foreign source read directly into that layout
     assert run(fw.load_and_compare, 2, src, ref_file) == {0: [], 1: []}
 
@@ -329,3 +330,74 @@ def test_verify_finds_replicas_the_writer_kept_apart(tmp_path):
     out = r.stdout + r.stderr
     assert "model.experts.w" in out and "copies differ" in out and "rank(s) [1]" in out
     assert "model.bias" not in out  # equal copies are fine
+
+
+def _split_name(key: str, layer: int, expert: int | None) -> str:
+    """Where --split-layers puts layer ``layer`` (and expert ``expert``) of sharded ``key``:
+    after its ``layers`` segment, and after its last ``experts`` segment."""
+    parts = key.split(".")
+    if expert is not None:
+        last = max(i for i, p in enumerate(parts) if p == "experts")
+        parts.insert(last + 1, str(expert))
+    parts.insert(parts.index("layers") + 1, str(layer))
+    return ".".join(parts)
+
+
+@pytest.fixture(scope="module", params=["grouped", "sequential"])
+def megatron_gpt(request, tmp_path_factory):
+    """A real GPTModel with MoE experts at TP 2 × EP 2, and Megatron's own TP 1 reading of it."""
+    grouped = request.param == "grouped"
+    base = tmp_path_factory.mktemp(f"gpt-{request.param}")
+    src, ref = str(base / "ckpt"), str(base / "megatron-tp1.safetensors")
+    run(fw.write_megatron_gpt, 4, src, grouped)
+    run(fw.megatron_gpt_stacks, 1, src, grouped, ref)
+    return src, load_file(ref)
+
+
+@pytest.mark.slow
+def test_megatron_gpt_moe_split_layers_matches_megatrons_own_load(megatron_gpt, tmp_path):
+    src, stacks = megatron_gpt
+    info = cli_json("inspect", src)
+    fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert info["tensors"][fc1]["shape"][:2] == [fw.GPT_LAYERS, fw.GPT_EXPERTS]
+    ours = str(tmp_path / "ours")
+    r = reshard("convert", src, ours, "--mesh", "tp=2", "--rules", '{"*": "S(0)"}')
+    assert r.returncode == 0, r.stderr
+    for source in (src, ours):  # the Megatron folder, and our format after a conversion
+        hf = str(tmp_path / f"hf-{os.path.basename(source)}")
+        r = reshard("convert", source, hf, "--format", "hf", "--split-layers")
+        assert r.returncode == 0, r.stderr
+        got = load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))
+        seen = set()
+        for key, full in stacks.items():
+            if "layers" not in key.split("."):
+                assert torch.equal(got[key], full), key
+                seen.add(key)
+                continue
+            experts = "experts" in key.split(".")
+            for layer in range(fw.GPT_LAYERS):
+                for e in range(fw.GPT_EXPERTS) if experts else [None]:
+                    name = _split_name(key, layer, e)
+                    want = full[layer] if e is None else full[layer, e]
+                    assert torch.equal(got[name], want), name
+                    seen.add(name)
+                    # Adam's moments split exactly as their parameter does
+                    for moment in ("exp_avg", "exp_avg_sq"):
+                        opt = f"optimizer.state.{moment}.{name}"
+                        assert got[opt].shape == want.shape, opt
+        assert seen == {n for n in got if not n.startswith("optimizer.")}
+        per_expert = [n for n in got if ".experts.experts." in n and "optimizer" not in n]
+        assert len(per_expert) == 2 * fw.GPT_LAYERS * fw.GPT_EXPERTS  # fc1 and fc2
+
+
+@pytest.mark.slow
+def test_torch_checkpointing_hsdp_optimizer_state_loads_with_its_param_groups(tmp_path):
+    """HSDP (2 × 2) with AdamW, loaded at FSDP2 on 3 ranks: every tensor and every
+    param_groups value (lr, betas, weight_decay...), from the folder and from its conversion."""
+    src, ref = str(tmp_path / "hsdp"), str(tmp_path / "ref.safetensors")
+    run(fw.write_torch_checkpointing_hsdp, 4, src, ref)
+    assert run(fw.load_fsdp_and_compare, 3, src, ref) == {0: [], 1: [], 2: []}
+    ours = str(tmp_path / "ours")
+    r = reshard("convert", src, ours, "--mesh", "dp=2", "--rules", '{"*.step": "R", "*": "S(0)"}')
+    assert r.returncode == 0, r.stderr
+    assert run(fw.load_fsdp_and_compare, 3, ours, ref) == {0: [], 1: [], 2: []}

@@ -207,3 +207,197 @@ def write_torch_checkpointing_divergent(out: str) -> str:
     sd = {"experts.w": torch.full((2, 4), float(rank)), "bias": torch.ones(4)}
     _tc_save(out, {"model": sd}, ("model",))
     return "written"
+
+
+# ---------------------------------------------------------------- a real Megatron-Core GPTModel
+
+GPT_LAYERS, GPT_EXPERTS = 2, 4
+
+
+def _megatron_cpu_shims() -> None:
+    """megatron-core 0.16.1 on CPU: the synchronize/current_device calls after writing,
+    ``device="cuda"`` scalars its optimizers allocate, and the grouped-GEMM kernel check of
+    ``GroupedMLP`` (its kernels are CUDA-only; building the module and its state dict is
+    plain torch)."""
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    real = torch.tensor
+
+    def tensor(*args: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+        cuda = device == "cuda" or getattr(device, "type", None) == "cuda"
+        return real(*args, device="cpu" if cuda else device, **kw)
+
+    torch.tensor = tensor  # type: ignore[assignment]
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+
+
+def _gpt(tp: int, ep: int, grouped: bool) -> tuple[Any, Any]:
+    """A GPTModel (local layer spec: no Transformer Engine) with GLU MoE experts, grouped
+    (``GroupedMLP``) or sequential (``SequentialMLP``), and its Megatron Adam optimizer."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    _megatron_cpu_shims()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep
+    )
+    torch.manual_seed(11)
+    config = TransformerConfig(
+        num_layers=GPT_LAYERS, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
+        num_moe_experts=GPT_EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=2,
+        moe_grouped_gemm=grouped, moe_use_legacy_grouped_gemm=grouped, gated_linear_unit=True,
+        add_bias_linear=False, use_cpu_initialization=True,
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(
+        num_experts=GPT_EXPERTS, moe_grouped_gemm=grouped, moe_use_legacy_grouped_gemm=grouped
+    )
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64,
+                     max_sequence_length=8)  # fmt: skip
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    optim = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])
+    return model, optim
+
+
+def write_megatron_gpt(out: str, grouped: bool) -> str:
+    """TP 2 × EP 2 on 4 ranks: one Adam step (the inner torch optimizers step on random
+    gradients: Megatron's own step wants CUDA), then ``dist_checkpointing.save`` of the
+    model's and the optimizer's sharded state dicts."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    model, optim = _gpt(2, 2, grouped)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    for inner in getattr(optim, "chained_optimizers", [optim]):
+        inner.optimizer.step()
+    sd = {"model": model.sharded_state_dict()}
+    sd["optimizer"] = optim.sharded_state_dict(sd["model"])
+    sd["iteration"] = 5
+    os.makedirs(out, exist_ok=True)
+    dist_checkpointing.save(sd, out)
+    return "written"
+
+
+def megatron_gpt_stacks(ckpt: str, grouped: bool, out: str) -> str:
+    """Megatron's own reading of ``ckpt``: ``dist_checkpointing.load`` into a TP 1 × EP 1
+    model, then every sharded tensor of that model (its own ``sharded_state_dict``, swiglu
+    factories built) placed at its global offsets: the stacked ``[L, (E,) ...]`` tensor of
+    each sharded key, as Megatron itself sees it, saved to ``out`` (safetensors)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    model, _ = _gpt(1, 1, grouped)
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
+    model.load_state_dict(loaded, strict=False)  # _extra_state items are TE's, not ours
+    stacks: dict[str, torch.Tensor] = {}
+
+    def place(item: Any) -> None:
+        if isinstance(item, ShardedTensorFactory):
+            place(item.build())
+        elif isinstance(item, dict):
+            for v in item.values():
+                place(v)
+        elif isinstance(item, (list, tuple)):
+            for v in item:
+                place(v)
+        elif isinstance(item, ShardedTensor) and not item.key.endswith("_extra_state"):
+            full = stacks.setdefault(item.key, torch.zeros(item.global_shape, dtype=item.dtype))
+            local = (1,) * item.prepend_axis_num + tuple(item.local_shape)
+            where = tuple(slice(o, o + n) for o, n in zip(item.global_offset, local))
+            full[where] = item.data.reshape(local)
+
+    place(model.sharded_state_dict())
+    save_file(stacks, out)
+    return "written"
+
+
+# ---------------------------------------------------------------- torch_checkpointing under HSDP
+
+
+def _fsdp(mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.support import training
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = training.Transformer()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    betas = (0.8, 0.9)  # not the defaults: a load that drops param_groups shows
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, betas=betas, weight_decay=0.1)
+
+
+def write_torch_checkpointing_hsdp(out: str, ref: str) -> str:
+    """FSDP2 HSDP (dp_replicate 2 × dp_shard 2), one AdamW step, saved by torch_checkpointing;
+    rank 0 writes every full tensor to ``ref`` and the param_groups to ``ref``.json."""
+    import json
+
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from tests.support import training
+
+    model, opt = _fsdp((2, 2), ("replicate", "shard"))
+    training.train(model, opt, range(1))  # every rank the same batch: replicas agree
+    model_sd, optim_sd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+    refs: dict[str, torch.Tensor] = {}
+    _flatten(model_sd, "model", refs)
+    _flatten(optim_sd["state"], "optim.state", refs)
+    _tc_save(out, {"model": model_sd, "optim": optim_sd}, ("model", "optim"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        save_file(refs, ref)
+        with open(ref + ".json", "w") as f:
+            json.dump(optim_sd["param_groups"], f)
+    return "written"
+
+
+def load_fsdp_and_compare(uri: str, ref: str) -> list[str]:
+    """FSDP2 on this world: ``reshard_svc.load`` model and optimizer state, applied with
+    ``set_optimizer_state_dict``; names every tensor or param_groups value that differs."""
+    import json
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import reshard_svc
+    from tests.support import training
+
+    model, opt = _fsdp((dist.get_world_size(),), ("dp",))
+    opt.param_groups[0]["lr"] = 0.5  # what the load must overwrite
+    training.train(model, opt, range(1, 2))  # optimizer state exists to load into
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    reshard_svc.load(state, uri)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    got: dict[str, torch.Tensor] = {}
+    _flatten(get_model_state_dict(model), "model", got)
+    after = get_optimizer_state_dict(model, opt)
+    _flatten(after["state"], "optim.state", got)
+    want = load_file(ref)
+    bad = [k for k in want if k not in got or not torch.equal(got[k], want[k])]
+    with open(ref + ".json") as f:
+        groups = json.load(f)
+    for i, (g, w) in enumerate(zip(after["param_groups"], groups, strict=True)):
+        bad += [f"param_groups.{i}.{k}" for k, v in w.items() if k != "params"
+                and (list(g[k]) if isinstance(g[k], tuple) else g[k]) != v]  # fmt: skip
+    return bad
