@@ -134,8 +134,8 @@ def test_megatron_inspect_split_layers_convert_load(megatron, tmp_path):
                            ref["decoder.layers.input_layernorm.weight"][layer])  # fmt: skip
         for e in range(4):
             assert torch.equal(
-                out[f"decoder.layers.{layer}.mlp.experts.{e}.linear_fc1.weight"],
-                ref["decoder.layers.mlp.experts.linear_fc1.weight"][layer, e],
+                out[f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc1.weight"],
+                ref["decoder.layers.mlp.experts.experts.linear_fc1.weight"][layer, e],
             )
     assert torch.equal(out["decoder.final_layernorm.weight"], ref["decoder.final_layernorm.weight"])
     assert len(out) == 2 + fw.LAYERS * (3 + 4)
@@ -289,7 +289,7 @@ def test_readme_bridge_commands(megatron, tmp_path):
     out = load_file(str(tmp_path / "megatron-hf" / "model-00001-of-00001.safetensors"))
     assert torch.equal(out["model.norm.weight"], ref["decoder.final_layernorm.weight"])
     assert torch.equal(out["model.layers.1.mlp.experts.3.gate_up_proj.weight"],
-                       ref["decoder.layers.mlp.experts.linear_fc1.weight"][1, 3])  # fmt: skip
+                       ref["decoder.layers.mlp.experts.experts.linear_fc1.weight"][1, 3])  # fmt: skip
     assert torch.equal(out["model.layers.0.self_attn.o_proj.weight"],
                        ref["decoder.layers.self_attention.linear_proj.weight"][0])  # fmt: skip
     titan_ref = load_file(str(tmp_path / "t.st"))

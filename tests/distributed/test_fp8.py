@@ -135,3 +135,29 @@ def test_a_missing_or_mistiled_scale_is_named(tmp_path):
     r = reshard("convert", src, str(tmp_path / "o"), "--format", "hf", "--dequantize", "fp8-block")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "'v_scale_inv'" in r.stderr or "'w_scale_inv' has shape [2, 3]" in r.stderr
+
+
+def test_readme_fp8_commands(sources, tmp_path):
+    """The README's FP8 commands, as written, in a folder holding ``fp8-ckpt``."""
+    import re
+    import shlex
+    import shutil
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    m = re.search(r"<!-- fp8:start -->\s*```bash\n(.*?)```\s*<!-- fp8:end -->", text, re.S)
+    assert m, "README lost its fp8 block"
+    sd, src = sources
+    shutil.copytree(src["ours"], tmp_path / "fp8-ckpt")
+    lines = [ln.split("  #")[0].strip() for ln in m.group(1).splitlines()]
+    cmds = [shlex.split(ln)[1:] for ln in lines if ln.startswith("reshard ")]
+    assert len(cmds) == 2
+    for argv in cmds:
+        r = reshard(*argv, cwd=tmp_path)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (argv, r.stderr)
+    kept = load_file(str(tmp_path / "fp8-hf" / "model-00001-of-00001.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(bits(kept[name]), bits(sd[name]))
+    deq = load_file(str(tmp_path / "bf16-hf" / "model-00001-of-00001.safetensors"))
+    ref = reference_dequant(sd[name], sd[name + "_scale_inv"], torch.bfloat16)
+    assert torch.equal(bits(deq[name]), bits(ref)) and name + "_scale_inv" not in deq

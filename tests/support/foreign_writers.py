@@ -105,7 +105,7 @@ def megatron_reference(ep: int = 2) -> dict[str, torch.Tensor]:
         "decoder.layers.self_attention.linear_qkv.weight": torch.randn(LAYERS, 3 * H, H, generator=g),
         "decoder.layers.self_attention.linear_proj.weight": torch.randn(LAYERS, H, H, generator=g),
         "decoder.layers.input_layernorm.weight": torch.randn(LAYERS, H, generator=g),
-        "decoder.layers.mlp.experts.linear_fc1.weight": torch.randn(LAYERS, experts, F, H, generator=g),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": torch.randn(LAYERS, experts, F, H, generator=g),
         "decoder.final_layernorm.weight": torch.randn(H, generator=g),
     }  # fmt: skip
 
@@ -141,7 +141,7 @@ def write_megatron(out: str, ref: str) -> str:
         sd["layers"].append(ShardedTensor.from_rank_offsets(
             norm, full[norm][layer].clone(), (0, layer, LAYERS), replica_id=rank,
             prepend_axis_num=1))  # fmt: skip
-        fc1 = "decoder.layers.mlp.experts.linear_fc1.weight"
+        fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
         experts = full[fc1].shape[1]
         for e in range(rank * experts // tp, (rank + 1) * experts // tp):  # expert parallel
             sd["experts"].append(ShardedTensor.from_rank_offsets(
