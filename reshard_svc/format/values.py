@@ -24,11 +24,12 @@ keys come back as one.
 
 from __future__ import annotations
 
+import bisect
 import io
 import pickle
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,52 +100,66 @@ def _plain(node: Any, blob: str, depth: int) -> Any:
 
 
 class StoredValues:
-    """The non-tensor values of one checkpoint, decoded on demand (every caller rank)."""
+    """The non-tensor values of one checkpoint (every caller rank). :meth:`prepare` reads
+    and decodes the items the asked-for keys need, in one batch of ranged reads; then
+    :meth:`get` answers each key."""
 
     def __init__(self, index: CheckpointIndex, storage: Storage, rank: int = 0) -> None:
         self.index, self.storage, self.rank = index, storage, rank
         self.flat = flat_values(index.extras)
-        self._decoded: set[str] = set()
         by_key: dict[str, list[Blob]] = {}
         for b in index.blobs.values():
             if b.encoding == "torch_save":
                 by_key.setdefault(b.value_key, []).append(b)
         # several ranks' copies of one item: this rank's, else the lowest rank's
         self.blobs = {k: _mine(bs, rank) for k, bs in by_key.items()}
+        self._sorted = sorted(self.flat)
+
+    def prepare(self, names: Iterable[str]) -> None:
+        """Decode every item that holds a value at, above or below one of ``names``."""
+        wanted = set(names)
+        above = {p for n in wanted for p in _prefixes(n)}
+        todo = [
+            b
+            for key, b in sorted(self.blobs.items())
+            if key == "" or key in above or any(p in wanted for p in _prefixes(key))
+        ]
+        small = [b for b in todo if b.nbytes <= _MAX_BLOB]
+        raw = dict(zip((b.name for b in small), _read_checked(self.index, self.storage, small)))
+        for b in todo:
+            value = (
+                decode_plain(raw[b.name], b.name)
+                if b.name in raw
+                else Opaque(f"item of {b.nbytes} bytes", b.name)
+            )
+            key = b.value_key
+            found = (
+                flat_values(value, key + "." if key else "")
+                if isinstance(value, Mapping) and value
+                else {key: value} if key else {}
+            )  # fmt: skip
+            for k, v in found.items():
+                self.flat.setdefault(k, v)  # extras win over a pickled copy
+        self._sorted = sorted(self.flat)
 
     def get(self, name: str, like: Any = None) -> tuple[bool, Any]:
         """(found, value) for key ``name``: the value stored at it, or everything stored
         under ``name.`` nested (as a list when ``like`` is one and the keys are 0..n-1).
         An :class:`Opaque` value is returned as is (the caller says what to do)."""
-        self._decode_for(name)
         if name in self.flat:
             return True, self.flat[name]
-        nested = {k[len(name) + 1 :]: v for k, v in self.flat.items() if k.startswith(name + ".")}
-        if not nested:
+        lo = bisect.bisect_left(self._sorted, name + ".")
+        hi = bisect.bisect_left(self._sorted, name + "/")  # "/" sorts right after "."
+        if lo == hi:
             return False, None
-        tree = _nest(nested)
+        tree = _nest({k[len(name) + 1 :]: self.flat[k] for k in self._sorted[lo:hi]})
         return True, _listify(tree) if isinstance(like, (list, tuple)) else tree
 
-    def _decode_for(self, name: str) -> None:
-        for key in self.blobs:
-            if key == name or key == "" or key.startswith(name + ".") or name.startswith(key + "."):
-                self._decode(key)
 
-    def _decode(self, key: str) -> None:
-        if key in self._decoded:
-            return
-        self._decoded.add(key)
-        b = self.blobs[key]
-        if b.nbytes > _MAX_BLOB:
-            value: Any = Opaque(f"item of {b.nbytes} bytes", b.name)
-        else:
-            value = decode_plain(_read_checked(self.index, self.storage, b), b.name)
-        if isinstance(value, Mapping) and value:
-            found = flat_values(value, key + "." if key else "")
-        else:
-            found = {key: value} if key else {}
-        for k, v in found.items():
-            self.flat.setdefault(k, v)  # extras win over a pickled copy
+def _prefixes(name: str) -> list[str]:
+    """``a.b.c`` -> ``a``, ``a.b``, ``a.b.c``."""
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _mine(blobs: list[Blob], rank: int) -> Blob:
@@ -154,13 +169,21 @@ def _mine(blobs: list[Blob], rank: int) -> Blob:
     return ranked.get(rank) or ranked[min(ranked)] if ranked else min(blobs, key=lambda b: b.name)
 
 
-def _read_checked(index: CheckpointIndex, storage: Storage, blob: Blob) -> bytes:
-    table = index.block_tables().get(blob.file)
-    lo, hi = table.widen(blob.begin, blob.end) if table else (blob.begin, blob.end)
-    data = storage.read_view(blob.file, lo, hi)
-    if table:
-        table.check(lo, data)
-    return bytes(data[blob.begin - lo : blob.end - lo])
+def _read_checked(index: CheckpointIndex, storage: Storage, blobs: list[Blob]) -> list[bytes]:
+    """The stored bytes of ``blobs`` (one batch of ranged reads), each block checked."""
+    tables = index.block_tables()
+    spans = []
+    for b in blobs:
+        table = tables.get(b.file)
+        spans.append(table.widen(b.begin, b.end) if table else (b.begin, b.end))
+    views = storage.read_ranges([(b.file, lo, hi) for b, (lo, hi) in zip(blobs, spans)])
+    out = []
+    for b, (lo, _), data in zip(blobs, spans, views):
+        table = tables.get(b.file)
+        if table:
+            table.check(lo, data)
+        out.append(bytes(data[b.begin - lo : b.end - lo]))
+    return out
 
 
 def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -260,6 +260,10 @@ class Conversion:
         # --dequantize: the source keeps the scales (they are read); the output drops them
         self.source_index = self.index
         self.pairs = fp8_pairs(self.index.tensors) if spec.dequantize else {}
+        if spec.dequantize and not self.pairs:
+            raise UsageError(
+                f"--dequantize {spec.dequantize}: {spec.source} has no FP8 tensor to dequantize"
+            )
         if self.pairs:
             scales = {p.scale for p in self.pairs.values()}
             kept = {n: m for n, m in self.index.tensors.items() if n not in scales}

@@ -151,6 +151,7 @@ def _match(
     tensor_keys = {k for k, v in leaves.items() if v.kind != "extra"}
     found: dict[str, Any] = {}
     opaque: list[str] = []
+    values.prepare(set(leaves) - tensor_keys)
     for name in sorted(set(leaves) - tensor_keys):
         ok, value = values.get(name, like=leaves[name].value)
         if not ok:
