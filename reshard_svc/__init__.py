@@ -21,6 +21,7 @@ from reshard_svc.errors import (
     PathNotAllowedError,
     ReplicaMismatchError,
     ReshardError,
+    SaveFailedError,
     StateDictError,
     StorageError,
     TargetBusyError,
@@ -50,6 +51,7 @@ _LAZY = {
     "WriteItem": "reshard_svc.layout",
     "AsyncSaver": "reshard_svc.runtime.async_save",
     "async_save": "reshard_svc.runtime.async_save",
+    "CheckpointManager": "reshard_svc.runtime.manager",
     "ConvertResult": "reshard_svc.runtime.convert",
     "convert": "reshard_svc.runtime.convert",
     "LoadStats": "reshard_svc.runtime.load",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
     from reshard_svc.runtime.async_save import AsyncSaver, async_save
     from reshard_svc.runtime.convert import ConvertResult, convert
     from reshard_svc.runtime.load import LoadStats, load
+    from reshard_svc.runtime.manager import CheckpointManager
     from reshard_svc.runtime.save import save
     from reshard_svc.runtime.state_dict import LocalShard
     from reshard_svc.runtime.transfer import TransferResult, transfer
@@ -97,6 +100,7 @@ __all__ = [
     "Cat",
     "CheckpointError",
     "CheckpointIndex",
+    "CheckpointManager",
     "ChecksumError",
     "ConvertResult",
     "CorruptCheckpointError",
@@ -114,6 +118,7 @@ __all__ = [
     "ReplicaMismatchError",
     "Replicate",
     "ReshardError",
+    "SaveFailedError",
     "Shard",
     "StateDictError",
     "StorageError",

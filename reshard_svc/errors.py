@@ -11,6 +11,7 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     │   ├── NotACheckpointError           no committed index at that URI
     │   ├── TargetExistsError             a save would replace a checkpoint (no overwrite)
     │   ├── TargetBusyError               another run holds the target's lease
+    │   ├── SaveFailedError               a background save failed (``step`` names it)
     │   ├── UnsupportedFormatError        unknown format version
     │   ├── CorruptCheckpointError        malformed file, bad header, bad block table
     │   │   └── ChecksumError             bytes read fail their CRC32C (file, range, values)
@@ -40,6 +41,7 @@ __all__ = [
     "PathNotAllowedError",
     "ReplicaMismatchError",
     "ReshardError",
+    "SaveFailedError",
     "StateDictError",
     "StorageError",
     "TargetBusyError",
@@ -96,6 +98,17 @@ class TargetBusyError(CheckpointError):
     def __init__(self, message: str, *, holder: str = "", age: float = 0.0) -> None:
         super().__init__(message)
         self.holder, self.age = holder, age
+
+
+class SaveFailedError(CheckpointError):
+    """A checkpoint manager's background save failed (disk full, storage down, lease lost);
+    raised on every rank at the next ``save``/``wait``/``close``. ``step`` is the step that
+    was not committed; ``failures`` maps rank to its error text."""
+
+    def __init__(self, message: str, step: int, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.failures: dict[int, str] = dict(failures or {})
 
 
 class UnsupportedFormatError(CheckpointError):

@@ -1,0 +1,53 @@
+"""Which committed steps a :class:`~reshard_svc.CheckpointManager` keeps: a pure policy.
+
+``keep_last=K`` keeps the newest K committed steps; ``keep_every=M`` also keeps every step
+divisible by M (milestones, as Orbax's ``keep_period``); ``None`` for both keeps all. The
+newest committed step is always kept: it is the resume point. Only the committed steps
+passed in are ever named for deletion, so a step being written (not yet committed) or a
+folder the manager did not name is never touched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from reshard_svc.errors import UsageError
+
+__all__ = ["STEP_PATTERN", "check_policy", "parse_step", "retained", "step_name"]
+
+#: Step folders are ``step-<digits>``: ours are zero-padded to 10 digits (they sort as
+#: text); torchtitan's and DCP users' ``step-N`` parse too.
+STEP_PATTERN = re.compile(r"step-(\d{1,18})")
+_WIDTH = 10
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:0{_WIDTH}d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = STEP_PATTERN.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def check_policy(keep_last: int | None, keep_every: int | None) -> None:
+    for what, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise UsageError(f"{what} must be a positive integer or None, got {value!r}")
+
+
+def retained(committed: Iterable[int], keep_last: int | None, keep_every: int | None) -> set[int]:
+    """The committed steps the policy keeps (the rest may be deleted)."""
+    check_policy(keep_last, keep_every)
+    steps = sorted(set(committed))
+    if keep_last is None and keep_every is None:
+        return set(steps)
+    keep = set(steps[-keep_last:]) if keep_last is not None else set()
+    if keep_every is not None:
+        keep |= {s for s in steps if s % keep_every == 0}
+    if steps:
+        keep.add(steps[-1])
+    return keep

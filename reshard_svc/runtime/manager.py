@@ -1,0 +1,425 @@
+"""``CheckpointManager``: a training loop's checkpoints under one root, one step folder each.
+
+Every rank constructs it (collective) and calls :meth:`~CheckpointManager.save` every step;
+the manager decides whether the step is due (``interval``), saves asynchronously with one
+save in flight (``save`` blocks only for the snapshot, and for the previous save when it
+has not finished), and after each commit applies the retention policy
+(:mod:`reshard_svc.plan.retention`). Order of events in one ``save(step, state)`` call, on
+every rank:
+
+1. one small all-reduce on the manager's own gloo group: did any rank receive a stop
+   signal (``save_on_signals``), did any rank's previous background save fail;
+2. a failed previous save is raised as :class:`~reshard_svc.errors.SaveFailedError` on
+   every rank, naming its step (that step never committed);
+3. if the step is due: wait for the previous save, then snapshot and return (async), or,
+   when a stop was asked for, save this step synchronously and set :attr:`should_stop`.
+
+Layout on storage: ``ROOT/step-0000000100/`` (our format, committed when its
+``reshard.index.json`` lands, as every save). Rank 0 holds a lease on ``ROOT`` for the
+manager's lifetime, so a second job aimed at the same root fails at construction naming
+the holder. Retention deletes only committed step folders of its own naming that the
+policy drops (their index first, then the files the index lists; foreign files stay), and
+collects what dead saves left (stale leases only); a failure to delete is a warning.
+
+Per-rank state (RNG, a data loader's position) is saved under per-rank keys: name its
+top-level keys in ``rank_local`` and each rank's value is stored as ``rank_local.<rank>.<key>``;
+a resumed job whose rank has no saved value (a larger world) keeps the value it passed,
+with one warning, while every other key still loads strictly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+
+from reshard_svc.errors import (
+    CheckpointError,
+    SaveFailedError,
+    StorageError,
+    UsageError,
+)
+from reshard_svc.format.collect import collect
+from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.plan.retention import check_policy, parse_step, retained, step_name
+from reshard_svc.runtime.async_save import AsyncSaver
+from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.load import load as load_checkpoint
+from reshard_svc.runtime.save import save as save_checkpoint
+from reshard_svc.storage import open_storage
+from reshard_svc.storage.leases import Lease
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+#: The extras key each step's index records its step under.
+STEP_KEY = "checkpoint_manager"
+RANK_LOCAL = "rank_local"
+
+
+class CheckpointManager:
+    """Checkpoints of one training job under ``root`` (any fsspec URI). Construct on every
+    rank of ``process_group`` (collective); use as a context manager or call :meth:`close`.
+
+    Args:
+        interval: a step is saved when ``step % interval == 0`` (or ``force``, or a stop).
+        keep_last / keep_every: the retention policy (``None``: keep everything).
+        async_save: ``save`` returns after the snapshot (default); ``False`` saves inline.
+        save_on_signals: signals (``signal.SIGTERM``, ``signal.SIGUSR1``) that ask for a
+            final checkpoint at the next ``save`` call and set :attr:`should_stop`.
+        rank_local: top-level state keys each rank saves on its own (RNG, data position).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        interval: int = 1,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        save_on_signals: Iterable[int] = (),
+        rank_local: Iterable[str] = (),
+        process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        checksum: str = "crc32c",
+    ) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise UsageError(f"interval must be a positive integer, got {interval!r}")
+        check_policy(keep_last, keep_every)
+        self.root = root.rstrip("/")
+        self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
+        self.rank_local = tuple(rank_local)
+        self.process_group = process_group
+        self.storage_options = dict(storage_options or {})
+        self.checksum = checksum
+        self.should_stop = False
+        self._signalled: int | None = None
+        self._pending: tuple[int, Future[Any]] | None = None
+        self._closed = False
+        self._group = None
+        if dist.is_available() and dist.is_initialized():
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            # the manager's agreements never share a communicator with training's
+            self._group = dist.new_group(ranks=ranks, backend="gloo")
+        self.comm = Comm(self._group)
+        self._lease: Lease | None = None
+        self.comm.run_everywhere(f"CheckpointManager({root!r}): taking the root", self._take_root)
+        self._saver = AsyncSaver(process_group) if async_save else None
+        # commit, then retention: the pending save is done when both are
+        self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
+        self._retention = threading.Lock()
+        self._previous_handlers: dict[int, Any] = {}
+        for sig in save_on_signals:
+            self._install(sig)
+
+    # ---- the root
+
+    def _take_root(self) -> None:
+        if self.comm.rank != 0:
+            return
+        storage = open_storage(self.root, self.storage_options)
+        if storage.local_files:
+            os.makedirs(storage.root, exist_ok=True)  # the lease sits beside it
+        token = uuid.uuid4().hex
+        self._lease = Lease.acquire(
+            storage,
+            self.root,
+            token,
+            "checkpoint-manager",
+            lambda holder, state: None,  # type: ignore[arg-type]
+        )
+
+    def _install(self, sig: int) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise UsageError("save_on_signals needs the manager to be built on the main thread")
+
+        def handler(signum: int, frame: Any) -> None:
+            self._signalled = signum
+
+        self._previous_handlers[sig] = signal.signal(sig, handler)
+
+    # ---- what is on storage
+
+    def _step_uri(self, step: int) -> str:
+        return f"{self.root}/{step_name(step)}"
+
+    def _step_folders(self) -> dict[int, str]:
+        storage = open_storage(self.root, self.storage_options)
+        out = {}
+        for name in storage.listdir():
+            step = parse_step(name)
+            if step is not None:
+                out[step] = name
+        return out
+
+    def steps(self) -> list[int]:
+        """Committed steps (their index exists), oldest first."""
+        out = []
+        for step, name in sorted(self._step_folders().items()):
+            if open_storage(f"{self.root}/{name}", self.storage_options).exists(INDEX_NAME):
+                out.append(step)
+        return out
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ---- saving
+
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Called by every rank every step. Saves ``state`` as ``step`` when due (every
+        ``interval``, or ``force``, or a stop signal); returns whether it saved. A failure
+        of the previous background save raises :class:`SaveFailedError` here, on every
+        rank."""
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise UsageError(f"step must be a non-negative integer, got {step!r}")
+        stop = self._agree()
+        due = force or stop or step % self.interval == 0
+        if not due:
+            return False
+        if stop or self._saver is None:
+            self._finish_pending()
+            self._save_now(step, state)
+            if stop:
+                self.should_stop = True
+                logger.warning("stop signal: saved step %d synchronously; should_stop is set", step)
+            return True
+        started = time.monotonic()
+        self._finish_pending()
+        waited = time.monotonic() - started
+        if waited > 0.05:
+            logger.info("step %d waited %.2f s for the previous save to commit", step, waited)
+        future = self._saver.save(
+            self._with_step(step, state), self._step_uri(step),
+            storage_options=self.storage_options, checksum=self.checksum,
+        )  # fmt: skip
+        self._pending = (step, self._post.submit(self._after_commit, future))
+        return True
+
+    def _agree(self) -> bool:
+        """One small all-reduce: (a stop was asked for, a previous save failed)."""
+        failed = 0
+        if self._pending is not None and self._pending[1].done():
+            failed = int(self._pending[1].exception() is not None)
+        stop, any_failed = self.comm.all_reduce_max([int(self._signalled is not None), failed])
+        if any_failed:
+            self._finish_pending()  # every rank's save of that step fails: raise it
+        return bool(stop)
+
+    def _finish_pending(self) -> None:
+        """Wait for the save in flight; its failure is raised on every rank."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        error = future.exception()
+        _, errors = self.comm.run_everywhere(
+            f"checkpoint step {step}", lambda: None, share=lambda _: f"{error}" if error else ""
+        )
+        failures = {r: e for r, e in enumerate(errors) if e}
+        if failures:
+            text = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+            raise SaveFailedError(
+                f"the background save of step {step} to {self._step_uri(step)} failed, so step "
+                f"{step} is not committed: {text}",
+                step,
+                failures,
+            ) from error
+
+    def _save_now(self, step: int, state: Mapping[str, Any]) -> None:
+        save_checkpoint(
+            self._with_step(step, state), self._step_uri(step), process_group=self.process_group,
+            storage_options=self.storage_options, checksum=self.checksum,
+        )  # fmt: skip
+        if self.comm.rank == 0:
+            self._retain()
+
+    def _with_step(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(state)
+        if STEP_KEY in out or RANK_LOCAL in out:
+            raise UsageError(f"state keys {STEP_KEY!r} and {RANK_LOCAL!r} are the manager's")
+        out[STEP_KEY] = {"step": step}
+        local = {k: out.pop(k) for k in self.rank_local if k in out}
+        if local:
+            out[RANK_LOCAL] = {str(self.comm.rank): local}
+        return out
+
+    # ---- retention (rank 0, after each commit)
+
+    def _after_commit(self, future: Future[Any]) -> Any:
+        """The background save's result, once rank 0 has applied retention after it."""
+        result = future.result()
+        if self.comm.rank == 0:
+            self._retain()
+        return result
+
+    def _retain(self) -> None:
+        with self._retention:
+            try:
+                committed = self.steps()
+                keep = retained(committed, self.keep_last, self.keep_every)
+                for step in sorted(set(committed) - keep):
+                    self._retire(step)
+                self._collect_leftovers(set(committed))
+            except Exception:  # housekeeping never fails training
+                logger.warning("retention under %s failed", self.root, exc_info=True)
+
+    def _retire(self, step: int) -> None:
+        """Delete one committed step folder of ours: its index first (so it is no longer
+        committed), then the files that index lists, then the folder if it is empty."""
+        uri = self._step_uri(step)
+        storage = open_storage(uri, self.storage_options)
+        try:
+            index = CheckpointIndex.loads(storage.read(INDEX_NAME), f"{uri}/{INDEX_NAME}")
+            storage.remove(INDEX_NAME)
+            for name in index.files:
+                storage.remove(name)
+            _remove_if_empty(storage)
+            logger.info("retention: removed step %d (%s)", step, uri)
+        except (CheckpointError, StorageError, OSError) as e:
+            logger.warning("retention: could not remove step %d at %s: %s", step, uri, e)
+
+    def _collect_leftovers(self, committed: set[int]) -> None:
+        """What dead saves left in step folders that never committed (stale leases only)."""
+        for step, name in self._step_folders().items():
+            if step in committed:
+                continue
+            storage = open_storage(f"{self.root}/{name}", self.storage_options)
+            try:
+                collect(storage)
+                _remove_if_empty(storage)
+            except Exception as e:  # reported, never raised
+                logger.warning("could not collect the leftovers of %s: %s", storage.uri, e)
+
+    # ---- loading
+
+    def load(
+        self, state: Mapping[str, Any], *, step: int | None = None, strict: bool = True
+    ) -> int | None:
+        """Fill ``state`` (any layout) from ``step``, or by default from the newest
+        committed step whose index parses (half-written or unreadable steps are skipped
+        with a warning). Returns the step loaded, or None when there is none (a fresh
+        start). Called by every rank."""
+        self._check_open()
+        chosen, index = self._pick(step)
+        if chosen is None or index is None:
+            return None
+        uri = self._step_uri(chosen)
+        view: dict[str, Any] = {k: v for k, v in state.items() if k not in self.rank_local}
+        mine = f"{RANK_LOCAL}.{self.comm.rank}."
+        have = {n for n in (*index.tensors, *index.extras) if n.startswith(mine)}
+        local: dict[str, Any] = {}
+        for key in self.rank_local:
+            if key not in state:
+                continue
+            if any(n == mine + key or n.startswith(mine + key + ".") for n in have):
+                local[key] = state[key]
+            else:
+                logger.warning(
+                    "step %d has no %r saved by rank %d (saved at another world size?): "
+                    "keeping the value passed in", chosen, key, self.comm.rank,
+                )  # fmt: skip
+        if local:
+            view[RANK_LOCAL] = {str(self.comm.rank): local}
+        load_checkpoint(view, uri, process_group=self.process_group, strict=strict,
+                        storage_options=self.storage_options)  # fmt: skip
+        target: Any = state
+        for key, value in view.items():
+            if key != RANK_LOCAL:
+                target[key] = value
+        for key, value in (view.get(RANK_LOCAL, {}).get(str(self.comm.rank), {})).items():
+            target[key] = value
+        return chosen
+
+    def _pick(self, step: int | None) -> tuple[int | None, CheckpointIndex | None]:
+        """Rank 0 finds the step to load and checks its index parses; every rank gets it."""
+
+        def find() -> Any:
+            if self.comm.rank != 0:
+                return None
+            candidates = [step] if step is not None else sorted(self._step_folders(), reverse=True)
+            skipped = []
+            for s in candidates:
+                storage = open_storage(self._step_uri(s), self.storage_options)
+                try:
+                    raw = storage.read(INDEX_NAME)
+                    CheckpointIndex.loads(raw, f"{storage.uri}/{INDEX_NAME}").check()
+                except (CheckpointError, StorageError) as e:
+                    if step is not None:
+                        raise CheckpointError(
+                            f"step {step} under {self.root} cannot be loaded: {e}"
+                        ) from e
+                    skipped.append(f"{s} ({type(e).__name__})")
+                    continue
+                if skipped:
+                    logger.warning(
+                        "skipped uncommitted or unreadable steps under %s: %s",
+                        self.root, ", ".join(skipped),
+                    )  # fmt: skip
+                return s
+            return None
+
+        _, found = self.comm.run_everywhere(f"finding a step to load under {self.root}", find)
+        chosen = found[0]
+        if chosen is None:
+            return None, None
+        storage = open_storage(self._step_uri(chosen), self.storage_options)
+        return chosen, CheckpointIndex.loads(storage.read(INDEX_NAME))
+
+    # ---- lifetime
+
+    def wait(self) -> None:
+        """Block until the save in flight has committed (its failure raised on every rank)."""
+        self._check_open()
+        self._finish_pending()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the root (and the signal handlers)."""
+        if self._closed:
+            return
+        try:
+            self._finish_pending()
+        finally:
+            self._closed = True
+            for sig, previous in self._previous_handlers.items():
+                signal.signal(sig, previous)
+            if self._saver is not None:
+                self._saver.close()
+            self._post.shutdown(wait=True)
+            with self._retention:
+                if self._lease is not None:
+                    self._lease.release()
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError("this CheckpointManager is closed")
+
+
+def _remove_if_empty(storage: Any) -> None:
+    """A local step folder left empty goes too (object stores have no folders)."""
+    if storage.local_files:
+        try:
+            os.rmdir(storage.root)
+        except OSError:
+            pass  # not empty (a foreign file stays), or already gone

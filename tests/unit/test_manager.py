@@ -1,0 +1,164 @@
+"""CheckpointManager in one process: steps, retention, resume, failures, signals, memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import reshard_svc
+from reshard_svc import CheckpointManager, SaveFailedError, TargetBusyError
+from reshard_svc.plan.retention import retained, step_name
+
+
+@given(
+    steps=st.lists(st.integers(0, 500), max_size=40, unique=True),
+    keep_last=st.one_of(st.none(), st.integers(1, 10)),
+    keep_every=st.one_of(st.none(), st.integers(1, 50)),
+)
+def test_retention_keeps_what_the_policy_names_and_never_the_newest(steps, keep_last, keep_every):
+    keep = retained(steps, keep_last, keep_every)
+    assert keep <= set(steps)
+    if steps:
+        assert max(steps) in keep
+    if keep_last is None and keep_every is None:
+        assert keep == set(steps)
+        return
+    newest = sorted(steps)[-keep_last:] if keep_last else []
+    milestones = {s for s in steps if keep_every and s % keep_every == 0}
+    assert keep == set(newest) | milestones | ({max(steps)} if steps else set())
+
+
+def state(value: float) -> dict:
+    return {"w": torch.full((64, 32), value), "b": torch.full((32,), value), "step": int(value)}
+
+
+def test_steps_retention_and_resume(tmp_path):
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, interval=2, keep_last=2, keep_every=6) as mgr:
+        saved = [s for s in range(1, 15) if mgr.save(s, state(float(s)))]
+        mgr.wait()
+        assert saved == [2, 4, 6, 8, 10, 12, 14]
+        assert mgr.steps() == [6, 12, 14] and mgr.latest() == 14
+    assert sorted(os.listdir(root)) == [step_name(s) for s in (6, 12, 14)]
+    with CheckpointManager(root) as mgr:
+        got = state(0.0)
+        assert mgr.load(got) == 14
+        assert torch.equal(got["w"], torch.full((64, 32), 14.0)) and got["step"] == 14
+        older = state(0.0)
+        assert mgr.load(older, step=6) == 6 and older["step"] == 6
+        index = reshard_svc.inspect(f"{root}/{step_name(14)}")
+        assert index.extras["checkpoint_manager.step"] == 14
+
+
+def test_a_fresh_root_loads_nothing(tmp_path):
+    with CheckpointManager(str(tmp_path / "new")) as mgr:
+        assert mgr.load(state(0.0)) is None and mgr.steps() == []
+
+
+def test_half_written_and_unreadable_steps_are_skipped_with_a_warning(tmp_path, caplog):
+    root = tmp_path / "run"
+    with CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(3, state(3.0))
+    (root / step_name(5)).mkdir()  # a save that never committed
+    (root / step_name(5) / "shard-00000.safetensors").write_bytes(b"partial")
+    (root / step_name(7)).mkdir()
+    (root / step_name(7) / "reshard.index.json").write_text("{not json")
+    with CheckpointManager(str(root)) as mgr, caplog.at_level(logging.WARNING):
+        assert mgr.steps() == [3, 7]  # an index exists; 7's does not parse
+        got = state(0.0)
+        assert mgr.load(got) == 3 and got["step"] == 3
+    assert "skipped" in caplog.text and "5" in caplog.text and "7" in caplog.text
+
+
+def test_a_second_job_on_the_same_root_is_refused_naming_the_holder(tmp_path):
+    root = str(tmp_path / "run")
+    with CheckpointManager(root):
+        with pytest.raises(TargetBusyError, match=f"pid {os.getpid()}|{os.getpid()}"):
+            CheckpointManager(root)
+    CheckpointManager(root).close()  # released on close
+
+
+def test_a_background_failure_is_raised_at_the_next_save_naming_the_step(tmp_path, monkeypatch):
+    """The disk fills up while step 2 is written in the background."""
+    from reshard_svc.runtime import async_save
+
+    real = async_save.write_files
+
+    def full_disk(prep, rank, staging=None):
+        if prep.uri.endswith(step_name(2)):
+            raise OSError(28, "No space left on device")
+        return real(prep, rank, staging)
+
+    monkeypatch.setattr(async_save, "write_files", full_disk)
+    root = tmp_path / "run"
+    with CheckpointManager(str(root)) as mgr:
+        assert mgr.save(1, state(1.0))
+        assert mgr.save(2, state(2.0))  # the snapshot returns; the write fails later
+        with pytest.raises(SaveFailedError, match="step 2 .*No space left") as e:
+            mgr.save(3, state(3.0))
+        assert e.value.step == 2
+        assert mgr.steps() == [1]
+        assert mgr.save(3, state(3.0))  # training goes on; the next save works
+        mgr.wait()
+        assert mgr.steps() == [1, 3]
+
+
+def test_rank_local_keys_fall_back_with_a_warning(tmp_path, caplog):
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, rank_local=["rng"], async_save=False) as mgr:
+        mgr.save(1, {**state(1.0), "rng": torch.get_rng_state()})
+    rng = torch.get_rng_state()
+    torch.rand(3)
+    with CheckpointManager(root, rank_local=["rng"]) as mgr:
+        got = {**state(0.0), "rng": torch.zeros_like(rng)}
+        assert mgr.load(got) == 1
+        assert torch.equal(got["rng"], rng)
+    # a step saved without it (another world size): the caller's value, one warning
+    root2 = str(tmp_path / "run2")
+    with CheckpointManager(root2, async_save=False) as mgr:
+        mgr.save(1, state(1.0))
+    with CheckpointManager(root2, rank_local=["rng"]) as mgr, caplog.at_level(logging.WARNING):
+        mine = torch.ones(4)
+        got = {**state(0.0), "rng": mine}
+        assert mgr.load(got) == 1 and got["rng"] is mine
+    assert "keeping the value passed in" in caplog.text
+
+
+def test_a_signal_makes_the_next_save_final_and_synchronous(tmp_path):
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, interval=100, save_on_signals=[signal.SIGUSR1]) as mgr:
+        assert not mgr.save(1, state(1.0))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.save(2, state(2.0)) and mgr.should_stop
+        assert mgr.steps() == [2]  # committed before save returned
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.slow
+def test_fifty_saves_do_not_grow_memory(tmp_path):
+    root = str(tmp_path / "run")
+    big = {"w": torch.randn(2048, 1024), "b": torch.randn(1024)}  # 8 MiB
+    with CheckpointManager(root, keep_last=1) as mgr:
+        for step in range(1, 51):
+            big["w"].add_(1.0)
+            mgr.save(step, big)
+            if step == 2:
+                mgr.wait()
+                after_second = _rss_mb()
+        mgr.wait()
+        assert mgr.steps() == [50]
+        assert _rss_mb() <= after_second * 1.05, (after_second, _rss_mb())
