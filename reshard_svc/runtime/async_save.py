@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -47,6 +48,8 @@ from reshard_svc.storage import open_storage
 __all__ = ["AsyncSaver", "async_save"]
 
 logger = logging.getLogger(__name__)
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class AsyncSaver:
@@ -151,6 +154,10 @@ class AsyncSaver:
         if pid == 0:  # the writer: no process group, no torch kernels, no return
             code = 0
             try:
+                # A stop signal sent to the whole job (Slurm, a process group) is the
+                # trainer's to handle: the writer finishes its files (kill -9 still ends it).
+                for sig in _STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_IGN)
                 os.close(read_fd)
                 storage = open_storage(prep.uri, prep.storage.storage_options)  # fresh fs
                 staging = storage.staging(prep.token)

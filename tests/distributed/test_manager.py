@@ -1,0 +1,73 @@
+"""CheckpointManager in real multi-rank jobs: FSDP × TP with retention, resumed at other
+world sizes and layouts; a job stopped by SIGTERM saves its last step and resumes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from reshard_svc.plan.retention import retained, step_name
+from tests.support import manager_jobs as jobs
+from tests.support.harness import run
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.mark.slow
+def test_fsdp_tp_loop_keeps_the_policys_steps_and_resumes_anywhere(tmp_path):
+    root, ref = str(tmp_path / "run"), str(tmp_path / "ref.safetensors")
+    policy = {"interval": 2, "keep_last": 2, "keep_every": 6}
+    got = run(jobs.train_and_checkpoint, 4, root, ref, 14, 2, 2, policy)
+    want = sorted(retained(range(2, 15, 2), 2, 6))
+    assert want == [6, 12, 14] and all(v == want for v in got.values())
+    assert sorted(os.listdir(root)) == [step_name(s) for s in want]  # nothing else left
+    # resumed on 2 ranks at TP=2, and on 3 ranks with FSDP: the state of step 14, bitwise
+    assert run(jobs.resume_and_compare, 2, root, ref, 2, 1) == {r: (14, []) for r in range(2)}
+    assert run(jobs.resume_and_compare, 3, root, ref, 1, 3) == {r: (14, []) for r in range(3)}
+
+
+def _loop(root: str, ready: str, out: multiprocessing.Queue) -> None:
+    out.put(run(jobs.preemptible_loop, 2, root, 10_000, ready))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_last_step_and_the_rerun_resumes_from_it(tmp_path):
+    """As torchrun forwards SIGTERM (and Slurm's ``scancel --signal=TERM`` signals the
+    tasks): every worker gets it, they agree at the next step, save it, and exit 0."""
+    import psutil
+
+    root, ready = str(tmp_path / "run"), str(tmp_path / "ready")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    launcher = ctx.Process(target=_loop, args=(root, ready, out))
+    launcher.start()
+    deadline = time.time() + 240
+    while not os.path.exists(ready) and time.time() < deadline:
+        time.sleep(0.2)
+    assert os.path.exists(ready), "the job never reached its first checkpoint"
+    # every process of the job, as Slurm signals a step's tasks: the workers and any
+    # background writer they forked (which leaves the signal to its trainer)
+    procs = [
+        p for p in psutil.Process(launcher.pid).children(recursive=True)
+        if "spawn_main" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    assert len(procs) >= 2
+    for p in procs:
+        os.kill(p.pid, signal.SIGTERM)
+    result = out.get(timeout=240)
+    launcher.join(timeout=60)
+    assert launcher.exitcode == 0
+    assert all(r["stopped"] for r in result.values()), result
+    last = {r["last"] for r in result.values()}
+    assert len(last) == 1, result  # every rank stopped at the same step
+    (final,) = last
+    assert final % 5 != 0 or final > 5  # the final save was the signal's, at any step
+    assert os.path.isdir(os.path.join(root, step_name(final)))
+    assert os.path.exists(os.path.join(root, step_name(final), "reshard.index.json"))
+    # the rerun resumes from it
+    again = run(jobs.preemptible_loop, 2, root, 2, str(tmp_path / "ready2"))
+    assert {r["start"] for r in again.values()} == {final + 1}
