@@ -1,5 +1,5 @@
-"""The README's Python scripts run as written: "Checkpointing a training loop" (2 ranks,
-then resumed at 1) and "Live weight sync" (FSDP2 trainer and TP inference in one job)."""
+"""The README's Python scripts run as written: "Checkpointing a training loop" (4 ranks,
+then resumed at 2) and "Live weight sync" (FSDP2 trainer and TP inference in one job)."""
 
 from __future__ import annotations
 
@@ -32,16 +32,21 @@ def training_loop_code() -> str:
 def test_readme_training_loop_saves_and_resumes_at_another_size(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(training_loop_code())
-    env = {**os.environ, "CKPT_DIR": str(tmp_path / "ckpt"), "OMP_NUM_THREADS": "1"}
-    for nproc in (2, 1):
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "CKPT_DIR": str(root), "OMP_NUM_THREADS": "1"}
+    for nproc in (4, 2):
         r = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)],
             env=env, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-4000:]
-    index = json.loads((tmp_path / "ckpt" / "latest" / "reshard.index.json").read_text())
-    assert index["extras"]["step"] == 40  # 20 steps at TP=2, then 20 more after resuming at 1
-    assert index["tensors"]["model.0.weight"]["layout"]["mesh"]["shape"] == [1]
+    # 20 steps at TP=4, then 20 more after resuming at TP=2; keep_last=2
+    assert sorted(os.listdir(root)) == ["step-0000000030", "step-0000000040"]
+    index = json.loads((root / "step-0000000040" / "reshard.index.json").read_text())
+    assert index["extras"]["checkpoint_manager.step"] == 40
+    assert index["tensors"]["model.0.weight"]["layout"]["mesh"]["shape"] == [2]
+    assert {"rank_local.0.rng", "rank_local.1.rng"} <= set(index["tensors"])
+    assert "rank_local.2.rng" not in index["tensors"]
 
 
 @pytest.mark.distributed
