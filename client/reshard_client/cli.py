@@ -384,6 +384,48 @@ def gc(
         out.print(f"nothing to collect at {uri}", highlight=False)
 
 
+@app.command()
+def steps(
+    root: Annotated[str, typer.Argument(help="A CheckpointManager root (step-N folders).")],
+    keep_last: Annotated[
+        int | None, typer.Option(min=1, help="Retention: keep the newest N committed steps.")
+    ] = None,
+    keep_every: Annotated[
+        int | None, typer.Option(min=1, help="Retention: also keep every step divisible by M.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the steps as JSON.")] = False,
+) -> None:
+    """List the step folders under ROOT: committed or partial, size, age, and what a
+    retention policy (--keep-last, --keep-every) would keep. Changes nothing."""
+    from reshard_svc.errors import ReshardError
+    from reshard_svc.runtime.manager import list_steps
+
+    try:
+        rows = list_steps(root, keep_last=keep_last, keep_every=keep_every)
+    except ReshardError as e:
+        raise _fail(e) from None
+    if as_json:
+        sys.stdout.write(json.dumps({"root": root, "steps": [r.to_json() for r in rows]}) + "\n")
+        return
+    if not rows:
+        out.print(f"no step folders under {root}", highlight=False)
+        return
+    table = Table(title=root, title_justify="left")
+    for col in ("step", "state", "size", "age", "retention"):
+        table.add_column(col, justify="right" if col in ("step", "size", "age") else "left")
+    for r in rows:
+        age = (
+            "-"
+            if r.age_s is None
+            else f"{r.age_s / 60:.0f} min"
+            if r.age_s >= 60
+            else f"{r.age_s:.0f} s"
+        )
+        table.add_row(str(r.step), "committed" if r.committed else "partial", _size(r.bytes),
+                      age, r.policy or "-")  # fmt: skip
+    out.print(table)
+
+
 def _parse_mesh(mesh: str | None) -> dict[str, int] | None:
     from reshard_svc.plan.spec import parse_mesh
 

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from reshard_svc.runtime.save import save as save_checkpoint
 from reshard_svc.storage import open_storage
 from reshard_svc.storage.leases import Lease
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "StepInfo", "list_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,21 +155,12 @@ class CheckpointManager:
         return f"{self.root}/{step_name(step)}"
 
     def _step_folders(self) -> dict[int, str]:
-        storage = open_storage(self.root, self.storage_options)
-        out = {}
-        for name in storage.listdir():
-            step = parse_step(name)
-            if step is not None:
-                out[step] = name
-        return out
+        return _step_folders(self.root, self.storage_options)
 
     def steps(self) -> list[int]:
         """Committed steps (their index exists), oldest first."""
-        out = []
-        for step, name in sorted(self._step_folders().items()):
-            if open_storage(f"{self.root}/{name}", self.storage_options).exists(INDEX_NAME):
-                out.append(step)
-        return out
+        return [s.step for s in list_steps(self.root, self.storage_options, sizes=False)
+                if s.committed]  # fmt: skip
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -423,3 +415,67 @@ def _remove_if_empty(storage: Any) -> None:
             os.rmdir(storage.root)
         except OSError:
             pass  # not empty (a foreign file stays), or already gone
+
+
+def _step_folders(root: str, storage_options: Mapping[str, Any] | None) -> dict[int, str]:
+    storage = open_storage(root, storage_options)
+    out = {}
+    for name in storage.listdir():
+        step = parse_step(name)
+        if step is not None:
+            out[step] = name
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInfo:
+    """One step folder under a root: committed (its index exists) or partial."""
+
+    step: int
+    name: str
+    committed: bool
+    bytes: int
+    #: seconds since its last change (the index, or the newest file), when the store says
+    age_s: float | None
+    #: what the retention policy does with it: ``keep``, ``delete``, or None (partial)
+    policy: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "name": self.name, "committed": self.committed,
+            "bytes": self.bytes, "age_s": self.age_s, "policy": self.policy,
+        }  # fmt: skip
+
+
+def list_steps(
+    root: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    sizes: bool = True,
+) -> list[StepInfo]:
+    """Every step folder under ``root``, oldest first, and what a retention policy of
+    ``keep_last`` / ``keep_every`` would keep (read-only: nothing is deleted)."""
+    check_policy(keep_last, keep_every)
+    folders = _step_folders(root, storage_options)
+    rows = []
+    now = time.time()
+    for step, name in sorted(folders.items()):
+        storage = open_storage(f"{root.rstrip('/')}/{name}", storage_options)
+        files = storage.sizes() if sizes else {}
+        committed = INDEX_NAME in files if sizes else storage.exists(INDEX_NAME)
+        age = None
+        if sizes and files:
+            newest = INDEX_NAME if committed else max(files, key=lambda f: files[f])
+            try:
+                age = max(0.0, now - storage.fs.modified(storage.path(newest)).timestamp())
+            except Exception:  # a store that does not say
+                age = None
+        rows.append((step, name, committed, sum(files.values()), age))
+    keep = retained([r[0] for r in rows if r[2]], keep_last, keep_every)
+    return [
+        StepInfo(step=s, name=n, committed=c, bytes=b, age_s=a,
+                 policy=("keep" if s in keep else "delete") if c else None)
+        for s, n, c, b, a in rows
+    ]  # fmt: skip

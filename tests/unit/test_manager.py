@@ -162,3 +162,42 @@ def test_fifty_saves_do_not_grow_memory(tmp_path):
         mgr.wait()
         assert mgr.steps() == [50]
         assert _rss_mb() <= after_second * 1.05, (after_second, _rss_mb())
+
+
+def test_readme_steps_commands(tmp_path):
+    """The README's ``reshard steps`` lines, on a root the manager wrote (and a partial step)."""
+    import json
+    import re
+    import shlex
+    from pathlib import Path
+
+    from tests.support.cli import reshard
+
+    root = tmp_path / "ckpt"
+    with CheckpointManager(str(root), async_save=False) as mgr:
+        for step in (100, 150, 200, 250):
+            mgr.save(step, state(1.0))
+    (root / step_name(300)).mkdir()
+    (root / step_name(300) / "shard-00000-000.safetensors").write_bytes(b"x" * 10)
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- steps:start -->\s*```bash\n(.*?)```\s*<!-- steps:end -->", text, re.S)
+    assert block, "README lost its steps block"
+    lines = [ln.split("  #")[0].strip() for ln in block.group(1).splitlines() if ln.strip()]
+    assert len(lines) == 2
+    outs = []
+    for line in lines:
+        argv = [str(root) if a == "/tmp/ckpt" else a for a in shlex.split(line)[1:]]
+        r = reshard(*argv)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        outs.append(r.stdout)
+    assert "partial" in outs[0] and "committed" in outs[0]
+    rows = {s["step"]: s for s in json.loads(outs[1])["steps"]}
+    assert {s: r["policy"] for s, r in rows.items()} == {
+        100: "keep",
+        150: "delete",
+        200: "keep",
+        250: "keep",
+        300: None,
+    }
+    assert rows[300]["committed"] is False and rows[300]["bytes"] == 10
+    assert sorted(os.listdir(root)) == [step_name(s) for s in (100, 150, 200, 250, 300)]
