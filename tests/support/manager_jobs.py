@@ -95,3 +95,43 @@ def preemptible_loop(root: str, steps: int, ready: str) -> dict[str, Any]:
             time.sleep(0.05)
         stopped = mgr.should_stop
     return {"start": start, "last": last, "stopped": stopped, "pid": os.getpid()}
+
+
+def value_of(step: int, rank_count: int = 0) -> dict[str, Any]:
+    """A state that is a function of its step (any reader can check it), sharded over the
+    world as DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.arange(64 * 1024, dtype=torch.float32).reshape(256, 256) + step
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "meta": {"step": step}}
+
+
+def save_forever(root: str, ready: str) -> None:
+    """Save every step (keep the newest 2) until killed."""
+    from reshard_svc import CheckpointManager
+
+    with CheckpointManager(root, keep_last=2) as mgr:
+        start = (mgr.latest() or 0) + 1
+        for step in range(start, start + 100_000):
+            mgr.save(step, value_of(step))
+            if step == start + 1 and dist.get_rank() == 0:
+                open(ready, "w").close()
+
+
+def resume_and_check(root: str) -> tuple[int | None, bool]:
+    """Load the newest committed step; is every byte what that step saved?"""
+    from reshard_svc import CheckpointManager
+
+    state = value_of(-1)
+    with CheckpointManager(root, keep_last=2) as mgr:
+        step = mgr.load(state)
+        if step is None:
+            return None, True
+        want = value_of(step)
+        ok = torch.equal(state["w"].full_tensor(), want["w"].full_tensor())
+        ok = ok and state["meta"]["step"] == step
+        mgr.save(step + 1, value_of(step + 1), force=True)  # its retention collects leftovers
+        mgr.wait()
+    return step, ok
