@@ -31,16 +31,17 @@ from safetensors.torch import save_file
 H, F, VOCAB, LAYERS = 16, 32, 32, 2  # the Megatron-style state dict's sizes
 
 
-def _flatten(tree: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+def flatten_full(tree: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    """Every tensor of a nested state (dicts, lists) under dotted names, whole."""
     if isinstance(tree, torch.Tensor):
         full = tree.full_tensor() if hasattr(tree, "full_tensor") else tree
         out[prefix] = full.detach().clone().contiguous()
     elif isinstance(tree, dict):
         for k, v in tree.items():
-            _flatten(v, f"{prefix}.{k}", out)
+            flatten_full(v, f"{prefix}.{k}", out)
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            _flatten(v, f"{prefix}.{i}", out)
+            flatten_full(v, f"{prefix}.{i}", out)
 
 
 def _cpu_shims_for_torch_checkpointing() -> None:
@@ -87,8 +88,8 @@ def write_torch_checkpointing(out: str, ref: str, parallel: str) -> str:
     model_sd = get_model_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, opt)
     refs: dict[str, torch.Tensor] = {}
-    _flatten(model_sd, "model", refs)
-    _flatten(optim_sd, "optim", refs)
+    flatten_full(model_sd, "model", refs)
+    flatten_full(optim_sd, "optim", refs)
     _tc_save(out, {"model": model_sd, "optim": optim_sd, "step": 7}, ("model", "optim"))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -355,8 +356,8 @@ def write_torch_checkpointing_hsdp(out: str, ref: str) -> str:
     training.train(model, opt, range(1))  # every rank the same batch: replicas agree
     model_sd, optim_sd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
     refs: dict[str, torch.Tensor] = {}
-    _flatten(model_sd, "model", refs)
-    _flatten(optim_sd["state"], "optim.state", refs)
+    flatten_full(model_sd, "model", refs)
+    flatten_full(optim_sd["state"], "optim.state", refs)
     _tc_save(out, {"model": model_sd, "optim": optim_sd}, ("model", "optim"))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -390,9 +391,9 @@ def load_fsdp_and_compare(uri: str, ref: str) -> list[str]:
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     got: dict[str, torch.Tensor] = {}
-    _flatten(get_model_state_dict(model), "model", got)
+    flatten_full(get_model_state_dict(model), "model", got)
     after = get_optimizer_state_dict(model, opt)
-    _flatten(after["state"], "optim.state", got)
+    flatten_full(after["state"], "optim.state", got)
     want = load_file(ref)
     bad = [k for k in want if k not in got or not torch.equal(got[k], want[k])]
     with open(ref + ".json") as f:

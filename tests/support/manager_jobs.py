@@ -13,15 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from tests.support import training
-
-
-def _full(tree: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    if isinstance(tree, torch.Tensor):
-        full = tree.full_tensor() if hasattr(tree, "full_tensor") else tree
-        out[prefix] = full.detach().clone().contiguous()
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            _full(v, f"{prefix}.{k}", out)
+from tests.support.foreign_writers import flatten_full
 
 
 def _state(model: Any, optim: Any) -> dict[str, Any]:
@@ -34,8 +26,8 @@ def _state(model: Any, optim: Any) -> dict[str, Any]:
 def full_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor of a model/optimizer state dict, whole (collective for DTensors)."""
     out: dict[str, torch.Tensor] = {}
-    _full(state["model"], "model", out)
-    _full(state["optim"]["state"], "optim.state", out)
+    flatten_full(state["model"], "model", out)
+    flatten_full(state["optim"]["state"], "optim.state", out)
     return out
 
 
