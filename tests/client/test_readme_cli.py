@@ -90,3 +90,6 @@ def test_readme_python_section(s3, tmp_path, monkeypatch):
     assert torch.equal(scope["model_sd"]["w"], expected["w"])  # loaded back in place
     assert reshard_svc.inspect("ckpt-tp4").tensors["w"].layout.mesh.shape == (4,)
     assert reshard_svc.inspect("ckpt-hf").tensors["w"].dtype == torch.bfloat16
+    with reshard_svc.CheckpointManager(f"{s3}/run") as mgr:  # the loop's steps, on S3
+        assert mgr.steps() == [20, 30]
+        assert mgr.load({"model": {"w": torch.zeros(16, 8)}}, strict=False) == 30
