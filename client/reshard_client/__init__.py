@@ -13,11 +13,13 @@ from reshard_client.errors import (
     TransportError,
     Unauthorized,
 )
+from reshard_client.export import ExportOnCommit
 
 __all__ = [
     "APIError",
     "AsyncReshardClient",
     "Conflict",
+    "ExportOnCommit",
     "Forbidden",
     "Invalid",
     "NotFound",

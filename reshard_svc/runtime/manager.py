@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +78,12 @@ class CheckpointManager:
         save_on_signals: signals (``signal.SIGTERM``, ``signal.SIGUSR1``) that ask for a
             final checkpoint at the next ``save`` call and set :attr:`should_stop`.
         rank_local: top-level state keys each rank saves on its own (RNG, data position).
+        on_commit: called on rank 0 as ``on_commit(step, uri)`` after each step commits (in
+            the background, after retention; an exception is a warning, never a training
+            failure). If it has a ``holds()`` method, the steps it returns are kept by
+            retention until released (an export still reading them):
+            ``reshard_client.ExportOnCommit`` asks a reshard-server to convert every K-th
+            step.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class CheckpointManager:
         process_group: Any = None,
         storage_options: Mapping[str, Any] | None = None,
         checksum: str = "crc32c",
+        on_commit: Callable[[int, str], Any] | None = None,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise UsageError(f"interval must be a positive integer, got {interval!r}")
@@ -103,6 +110,7 @@ class CheckpointManager:
         self.process_group = process_group
         self.storage_options = dict(storage_options or {})
         self.checksum = checksum
+        self.on_commit = on_commit
         self.should_stop = False
         self._signalled: int | None = None
         self._pending: tuple[int, Future[Any]] | None = None
@@ -197,7 +205,7 @@ class CheckpointManager:
             self._with_step(step, state), self._step_uri(step),
             storage_options=self.storage_options, checksum=self.checksum,
         )  # fmt: skip
-        self._pending = (step, self._post.submit(self._after_commit, future))
+        self._pending = (step, self._post.submit(self._after_commit, future, step))
         return True
 
     def _agree(self) -> bool:
@@ -236,7 +244,7 @@ class CheckpointManager:
             storage_options=self.storage_options, checksum=self.checksum,
         )  # fmt: skip
         if self.comm.rank == 0:
-            self._retain()
+            self._committed(step)
 
     def _with_step(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(state)
@@ -250,18 +258,30 @@ class CheckpointManager:
 
     # ---- retention (rank 0, after each commit)
 
-    def _after_commit(self, future: Future[Any]) -> Any:
+    def _after_commit(self, future: Future[Any], step: int) -> Any:
         """The background save's result, once rank 0 has applied retention after it."""
         result = future.result()
         if self.comm.rank == 0:
-            self._retain()
+            self._committed(step)
         return result
+
+    def _committed(self, step: int) -> None:
+        """Rank 0, after ``step`` committed: retention, then the ``on_commit`` hook."""
+        self._retain()
+        if self.on_commit is not None:
+            try:
+                self.on_commit(step, self._step_uri(step))
+            except Exception:  # an export never fails training
+                logger.warning("on_commit for step %d failed", step, exc_info=True)
 
     def _retain(self) -> None:
         with self._retention:
             try:
                 committed = self.steps()
                 keep = retained(committed, self.keep_last, self.keep_every)
+                holds = getattr(self.on_commit, "holds", None)
+                if holds is not None:
+                    keep |= set(holds())  # still being read (an export job)
                 for step in sorted(set(committed) - keep):
                     self._retire(step)
                 self._collect_leftovers(set(committed))
