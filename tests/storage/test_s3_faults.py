@@ -84,3 +84,28 @@ def test_lost_answers_to_commit_steps(faulty, moto_server):
     storage = open_storage(f"{bucket}/ck", {"endpoint_url": moto_server})
     data = sorted(n for n in storage.listdir() if n.endswith(".safetensors"))
     assert len(data) == len(reshard_svc.inspect(f"{bucket}/ck").files)
+
+
+@pytest.mark.parametrize("faulty", [{"slowdown": 0.0, "lose": 0.0}], indirect=True)
+def test_a_background_save_that_s3_refuses_past_its_retries_fails_the_next_save(faulty):
+    """A CheckpointManager on S3: data uploads start failing after step 1 (503 past every
+    retry); the snapshot of step 2 returns, the next save raises naming step 2, step 2
+    never lists as committed, and once S3 is back the loop goes on."""
+    from reshard_svc import CheckpointManager, SaveFailedError
+
+    bucket, proxy = faulty
+    few = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}
+    small = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+    with CheckpointManager(f"{bucket}/run", storage_options=few) as mgr:
+        assert mgr.save(1, small)
+        mgr.wait()
+        proxy.fail_always = ["PUT .safetensors"]
+        assert mgr.save(2, small)  # the snapshot returns; the uploads fail behind it
+        with pytest.raises(SaveFailedError, match="step 2") as e:
+            mgr.save(3, small)
+        assert e.value.step == 2 and proxy.counts["failed PUT .safetensors"] > 0
+        assert mgr.steps() == [1]
+        proxy.fail_always = []
+        assert mgr.save(3, small)
+        mgr.wait()
+        assert mgr.steps() == [1, 3]

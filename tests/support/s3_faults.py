@@ -50,6 +50,9 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.lose_once = list(lose_once)
+        #: ``"METHOD substring"`` patterns answered ``503 SlowDown`` every time while listed
+        #: (an outage of some requests: set and cleared by a test as it goes)
+        self.fail_always: list[str] = []
         #: uploads whose completion answer was lost: S3 answers a retry NoSuchUpload
         self.completed: set[str] = set()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -75,6 +78,11 @@ class FaultProxy:
                     if method == "POST" and "uploadId=" in path:
                         self.completed.add(path)
                     return "lose"
+            for pattern in self.fail_always:
+                want_method, _, part = pattern.partition(" ")
+                if method == want_method and part in path:
+                    self.counts[f"failed {pattern}"] += 1
+                    return "slowdown"
             if method == "POST" and path in self.completed:
                 self.counts["no such upload"] += 1
                 return "nosuchupload"
