@@ -3,25 +3,44 @@ reshard-server (one job per step, keyed by the step's URI), never waiting for it
 
 from __future__ import annotations
 
+import pytest
 import torch
-from safetensors.torch import load_file
 
 from reshard_client import ExportOnCommit
 from reshard_svc import CheckpointManager
 
+transformers = pytest.importorskip("transformers")
 
-def state(step: int) -> dict[str, torch.Tensor]:
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny Llama: its config (for the export folders) and its weights."""
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def state(step: int, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    if weights is not None:  # the model "after step ``step``"
+        return {k: v + step for k, v in weights.items()}
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
 
 
-def test_every_other_step_is_exported_once_and_held_until_its_export_ends(server, tmp_path):
+def test_every_other_step_is_exported_once_and_held_until_its_export_ends(server, tmp_path, llama):
+    config, weights = llama
     data = tmp_path / "data"
+    for step in (2, 4, 6):  # model folders waiting for their weights (config, tokenizer)
+        config.save_pretrained(data / f"hf-{step}")
     hook = ExportOnCommit(str(data / "hf-{step}"), every=2, spec={"format": "hf"},
                           client=server.client())  # fmt: skip
     with CheckpointManager(str(data / "run"), keep_last=1, on_commit=hook) as mgr:
         for step in range(1, 7):
-            mgr.save(step, state(step))
+            mgr.save(step, state(step, weights))
         mgr.wait()
         hook(6, mgr._step_uri(6))  # a repeated submission is the same job (idempotency key)
     assert sorted(hook.jobs) == [2, 4, 6]
@@ -29,9 +48,11 @@ def test_every_other_step_is_exported_once_and_held_until_its_export_ends(server
     for step, job_id in sorted(hook.jobs.items()):
         job = client.wait(job_id, timeout=240)
         assert job.state.value == "succeeded", (step, job.error)
-        got = load_file(str(data / f"hf-{step}" / "model-00001-of-00001.safetensors"))
-        assert got.keys() == {"w", "b"}
-        assert all(torch.equal(got[k], v) for k, v in state(step).items()), step
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(data / f"hf-{step}"))
+        got = {k: v.detach() for k, v in model.state_dict().items()}
+        want = state(step, weights)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), step
     assert client.list().total == 3  # one job per exported step, the repeat included
     assert not (data / "hf-1").exists() and not (data / "hf-3").exists()
 
