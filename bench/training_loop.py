@@ -82,6 +82,9 @@ def worker(args: argparse.Namespace) -> None:
         stall = time.perf_counter() - t0
         if saved:
             saves.append({"step": step, "stall_s": stall, "rss_mb": common.vm("VmRSS")})
+            old = f"{args.dir}/{args.system}/step-{step - 3 * EVERY}"
+            if mgr is None and dist.get_rank() == 0 and os.path.isdir(old):
+                shutil.rmtree(old)  # keep the newest two committed, as ours (keep_last=2)
     if mgr is not None:
         mgr.close()
     elif pending is not None:
