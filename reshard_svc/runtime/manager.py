@@ -112,6 +112,8 @@ class CheckpointManager:
         self.checksum = checksum
         self.on_commit = on_commit
         self.should_stop = False
+        #: how long the last due ``save`` waited for the previous save to commit (seconds)
+        self.last_wait_s = 0.0
         self._signalled: int | None = None
         self._pending: tuple[int, Future[Any]] | None = None
         self._closed = False
@@ -198,7 +200,7 @@ class CheckpointManager:
             return True
         started = time.monotonic()
         self._finish_pending()
-        waited = time.monotonic() - started
+        waited = self.last_wait_s = time.monotonic() - started
         if waited > 0.05:
             logger.info("step %d waited %.2f s for the previous save to commit", step, waited)
         future = self._saver.save(

@@ -44,6 +44,7 @@ def test_steps_retention_and_resume(tmp_path):
         saved = [s for s in range(1, 15) if mgr.save(s, state(float(s)))]
         mgr.wait()
         assert saved == [2, 4, 6, 8, 10, 12, 14]
+        assert mgr.last_wait_s >= 0.0
         assert mgr.steps() == [6, 12, 14] and mgr.latest() == 14
     assert sorted(os.listdir(root)) == [step_name(s) for s in (6, 12, 14)]
     with CheckpointManager(root) as mgr:
