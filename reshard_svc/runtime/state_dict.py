@@ -21,7 +21,7 @@ import torch
 from reshard_svc.errors import StateDictError
 from reshard_svc.runtime import _compat
 
-__all__ = ["Leaf", "LocalShard", "flatten", "unflatten"]
+__all__ = ["Leaf", "LocalShard", "flatten"]
 
 
 @dataclass(frozen=True)
@@ -131,18 +131,6 @@ def flatten(state_dict: Mapping[Any, Any]) -> dict[str, Leaf]:
         raise StateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     out: dict[str, Leaf] = {}
     _walk(state_dict, "", out)
-    return out
-
-
-def unflatten(flat: Mapping[str, Any], strip: int = 0) -> dict[str, Any]:
-    """Nest dotted names back into dicts (``strip`` leading characters dropped first)."""
-    out: dict[str, Any] = {}
-    for name, value in flat.items():
-        parts = name[strip:].split(".")
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
     return out
 
 
