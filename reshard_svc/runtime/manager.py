@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -65,6 +66,8 @@ logger = logging.getLogger(__name__)
 #: The extras key each step's index records its step under.
 STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
+#: what a local save interrupted by a dead job leaves beside a step folder
+_LEFTOVER = re.compile(r"\.step-(\d+)\.(?:staging|old)-[0-9a-f]{32}")
 
 
 class CheckpointManager:
@@ -149,6 +152,26 @@ class CheckpointManager:
             "checkpoint-manager",
             lambda holder, state: None,  # type: ignore[arg-type]
         )
+        self._finish_interrupted(storage)
+
+    def _finish_interrupted(self, storage: Any) -> None:
+        """Before anyone asks for the latest step: a dead job's commit that was decided (its
+        index written) but not yet moved into place is finished, so the step it saved is
+        the one a resume loads (and a later save of that step number never meets it)."""
+        steps = set()
+        for name in storage.listdir():
+            m = _LEFTOVER.fullmatch(name)
+            if m is not None:
+                steps.add(int(m.group(1)))
+        for step in sorted(steps):
+            target = open_storage(self._step_uri(step), self.storage_options)
+            try:
+                report = collect(target)
+            except Exception as e:  # reported, never raised: the step stays uncommitted
+                logger.warning("could not collect the leftovers of %s: %s", target.uri, e)
+                continue
+            if report.rolled_forward:
+                logger.warning("finished the interrupted commit of step %d (%s)", step, target.uri)
 
     def _install(self, sig: int) -> None:
         if threading.current_thread() is not threading.main_thread():

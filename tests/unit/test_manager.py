@@ -77,6 +77,46 @@ def test_half_written_and_unreadable_steps_are_skipped_with_a_warning(tmp_path, 
     assert "skipped" in caplog.text and "5" in caplog.text and "7" in caplog.text
 
 
+KILLED_AT_SWAP = """
+import os, signal, sys, torch
+import reshard_svc.storage.local as local
+from reshard_svc import CheckpointManager
+
+real = os.rename
+def rename(a, b):  # die once step 2's commit is decided (its index in staging), unmoved
+    if ".step-0000000002.staging-" in a:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(a, b)
+local.os.rename = rename
+with CheckpointManager(sys.argv[1], async_save=False) as mgr:
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((64, 32), float(step)), "step": step})
+"""
+
+
+def test_a_commit_decided_by_a_killed_job_is_finished_before_the_resume_picks(tmp_path, caplog):
+    """Killed between writing step 2's index and moving its folder into place: the next
+    manager finishes that commit when it takes the root, so it resumes from step 2 (and
+    saving step 3 meets no leftover)."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "-c", KILLED_AT_SWAP, root], timeout=120, check=False)
+    assert r.returncode == -signal.SIGKILL
+    assert [n for n in os.listdir(root) if not n.startswith(".")] == [step_name(1)]
+    with caplog.at_level(logging.WARNING), CheckpointManager(root, keep_last=1) as mgr:
+        assert mgr.steps() == [1, 2]
+        got = {"w": torch.zeros(64, 32), "step": 0}
+        assert mgr.load(got) == 2 and got["step"] == 2
+        assert torch.equal(got["w"], torch.full((64, 32), 2.0))
+        mgr.save(3, {"w": torch.full((64, 32), 3.0), "step": 3})
+        mgr.wait()
+        assert mgr.steps() == [3]
+    assert "interrupted commit of step 2" in caplog.text
+    assert sorted(os.listdir(root)) == [step_name(3)]  # no staging, old or lease file left
+
+
 def test_a_second_job_on_the_same_root_is_refused_naming_the_holder(tmp_path):
     root = str(tmp_path / "run")
     with CheckpointManager(root):
