@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -15,12 +13,12 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, s
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from reshard_server.admission import Refused, admit
 from reshard_server.api.deps import AuthDep, ManagerDep, SettingsDep, StoreDep
-from reshard_server.db import JobRow, QueueFull
+from reshard_server.db import JobRow
 from reshard_server.jobs import token_hash
-from reshard_server.paths import check_uri, relative_path
 from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic, JobState, ProgressPublic
-from reshard_svc.errors import PathNotAllowedError, UsageError
+from reshard_svc.errors import UsageError
 from reshard_svc.plan.spec import check_event
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
@@ -79,46 +77,10 @@ def submit(
     With an ``Idempotency-Key`` already used for the same spec, the existing job is
     returned (200); used for a different spec, 409.
     """
-    for what, uri in (("source", spec.source), ("target", spec.target)):
-        if relative_path(uri):
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_ENTITY,
-                f"{what} {uri!r} is a relative path: the server cannot know your working "
-                "folder; give an absolute path (the reshard CLI resolves it for you)",
-            )
     try:
-        source = check_uri(spec.source, settings.roots, what="source")
-        target = check_uri(spec.target, settings.roots, what="target", write=True)
-    except PathNotAllowedError as e:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, str(e)) from None
-    if source.rstrip("/") == target.rstrip("/"):
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "target must differ from source")
-    job_spec = spec.to_spec()
-    max_nodes = min(settings.max_nodes, manager.launcher.max_nodes)
-    for what, value, limit in (("workers", job_spec.workers, settings.max_workers),
-                               ("nodes", job_spec.nodes, max_nodes)):  # fmt: skip
-        if value > limit:
-            hint = " (the local launcher runs one node)" if what == "nodes" else ""
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_ENTITY,
-                f"{what}={value} exceeds this server's limit of {limit}{hint}",
-            )
-    body = job_spec.to_json()
-    body.update(source=source, target=target)
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    try:
-        job, created = store.create(
-            body, idempotency_key, digest if idempotency_key else None, settings.max_queued
-        )
-    except QueueFull as e:
-        raise HTTPException(
-            status.HTTP_429_TOO_MANY_REQUESTS, f"queue is full: {e}", headers={"Retry-After": "5"}
-        ) from None
-    if not created and job.idem_hash != digest:
-        raise HTTPException(
-            status.HTTP_409_CONFLICT,
-            f"Idempotency-Key already used for job {job.id} with a different spec",
-        )
+        job, created = admit(spec, settings, store, manager.launcher.max_nodes, idempotency_key)
+    except Refused as e:
+        raise HTTPException(e.status, e.detail, headers=e.headers) from None
     code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
     return JSONResponse(to_public(job).model_dump(mode="json"), status_code=code)
 
