@@ -87,45 +87,73 @@ def _print_job(job: Any, as_json: bool) -> None:
         out.print(f"  [red]error:[/] {job.error}", highlight=False)
 
 
+MeshOpt = Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=2 or dp=2,tp=4.")]
+RulesOpt = Annotated[str | None, typer.Option(help="YAML/JSON file: tensor glob -> placements.")]
+FormatOpt = Annotated[str, typer.Option(help="native or hf.")]
+DtypeOpt = Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")]
+KeepDtypeOpt = Annotated[
+    list[str] | None,
+    typer.Option(help="With --dtype: leave tensors matching this glob as they are."),
+]
+WorkersOpt = Annotated[
+    int | None, typer.Option(min=1, help="Total torchrun workers (nodes x workers per node).")
+]
+NodesOpt = Annotated[
+    int, typer.Option(min=1, help="Nodes (torchrun agents) on the server's engine.")
+]
+WorkersPerNodeOpt = Annotated[
+    int | None, typer.Option(min=1, help="Workers per node (GPUs per node).")
+]
+StrategyOpt = Annotated[str, typer.Option(help="auto, exchange or direct.")]
+MaxMemoryOpt = Annotated[str | None, typer.Option(help="Byte budget per worker, e.g. 1GiB.")]
+ChecksumOpt = Annotated[str, typer.Option(help="What the output records: crc32c, sha256 or none.")]
+NoCopyConfigOpt = Annotated[
+    bool, typer.Option("--no-copy-config", help="--format hf: do not copy the config.")
+]
+
+
+def _job_options(
+    mesh: str | None, rules: str | None, rename: list[str] | None, **given: Any
+) -> dict[str, Any]:
+    """The conversion options of a job body from the shared flags (files read here: a
+    rules or rename YAML is this machine's); unset ones left out."""
+    from reshard_svc.plan.names import load_renames
+
+    try:
+        mesh_value, rules_value = _parse_mesh(mesh), _parse_rules(rules)
+        renames = load_renames(rename)
+    except Exception as e:  # layout / rules / rename text errors
+        raise _fail(e) from None
+    given.update(mesh=mesh_value, rules=rules_value,
+                 rename=[str(r) for r in renames] if renames else None,
+                 overwrite=given.get("overwrite") or None,
+                 split_layers=given.get("split_layers") or None,
+                 copy_config=False if given.pop("no_copy_config", False) else None)  # fmt: skip
+    return {k: v for k, v in given.items() if v is not None and v != [] and v != ""}
+
+
 @app.command()
 def submit(
     src: Annotated[str, typer.Argument(help="Source checkpoint URI (under the server's roots).")],
     dst: Annotated[str, typer.Argument(help="Target URI (under the server's roots).")],
-    mesh: Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=2 or dp=2,tp=4.")] = None,
-    rules: Annotated[
-        str | None, typer.Option(help="YAML/JSON file: tensor glob -> placements.")
-    ] = None,
-    format: Annotated[str, typer.Option(help="native or hf.")] = "native",
-    dtype: Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")] = None,
-    keep_dtype: Annotated[
-        list[str] | None,
-        typer.Option(help="With --dtype: leave tensors matching this glob as they are."),
-    ] = None,
-    workers: Annotated[
-        int | None, typer.Option(min=1, help="Total torchrun workers (nodes x workers per node).")
-    ] = None,
-    nodes: Annotated[
-        int, typer.Option(min=1, help="Nodes (torchrun agents) on the server's engine.")
-    ] = 1,
-    workers_per_node: Annotated[
-        int | None, typer.Option(min=1, help="Workers per node (GPUs per node).")
-    ] = None,
-    strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
-    max_memory: Annotated[
-        str | None, typer.Option(help="Byte budget per worker, e.g. 1GiB.")
-    ] = None,
-    checksum: Annotated[
-        str, typer.Option(help="What the output records: crc32c, sha256 or none.")
-    ] = "crc32c",
+    mesh: MeshOpt = None,
+    rules: RulesOpt = None,
+    format: FormatOpt = "native",
+    dtype: DtypeOpt = None,
+    keep_dtype: KeepDtypeOpt = None,
+    workers: WorkersOpt = None,
+    nodes: NodesOpt = 1,
+    workers_per_node: WorkersPerNodeOpt = None,
+    strategy: StrategyOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
+    checksum: ChecksumOpt = "crc32c",
     overwrite: OverwriteOpt = False,
     only: OnlyOpt = None,
     strip_prefix: StripPrefixOpt = None,
     rename: RenameOpt = None,
     split_layers: SplitLayersOpt = False,
     dequantize: DequantizeOpt = None,
-    no_copy_config: Annotated[
-        bool, typer.Option("--no-copy-config", help="--format hf: do not copy the config.")
-    ] = False,
+    no_copy_config: NoCopyConfigOpt = False,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submit at most once per key.")
     ] = None,
@@ -137,24 +165,16 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
 ) -> None:
     """Submit a conversion job to reshard-server."""
-    from reshard_svc.plan.names import load_renames
-
-    try:
-        mesh_value, rules_value = _parse_mesh(mesh), _parse_rules(rules)
-        renames = load_renames(rename)  # a YAML file is this machine's: read here
-    except Exception as e:  # layout / rules / rename text errors
-        raise _fail(e) from None
-    optional = {"workers": workers, "workers_per_node": workers_per_node, "mesh": mesh_value,
-                "rules": rules_value, "dtype": dtype, "keep_dtype": keep_dtype,
-                "max_memory": max_memory, "overwrite": overwrite or None, "only": only,
-                "strip_prefix": strip_prefix, "copy_config": False if no_copy_config else None,
-                "rename": [str(r) for r in renames] if renames else None,
-                "split_layers": split_layers or None, "dequantize": dequantize}  # fmt: skip
+    options = _job_options(
+        mesh, rules, rename, format=format, dtype=dtype, keep_dtype=keep_dtype, workers=workers,
+        nodes=nodes, workers_per_node=workers_per_node, strategy=strategy,
+        max_memory=max_memory, checksum=checksum, overwrite=overwrite, only=only,
+        strip_prefix=strip_prefix, split_layers=split_layers, dequantize=dequantize,
+        no_copy_config=no_copy_config,
+    )  # fmt: skip
     # The server sees only absolute paths: a relative one is this shell's, resolved here.
-    spec: dict[str, Any] = {"source": _absolute(src), "target": _absolute(dst), "format": format,
-                            "nodes": nodes, "strategy": strategy, "checksum": checksum}  # fmt: skip
-    spec.update({k: v for k, v in optional.items() if v is not None and v != [] and v != ""})
-    _check_job(spec)
+    spec = {"source": _absolute(src), "target": _absolute(dst), **options}
+    _check_body("JobCreate", spec, "job")
     with _client(url, token) as client:
         job = _remote(lambda: client.submit(spec, idempotency_key=idempotency_key))
         if not as_json:
@@ -176,17 +196,17 @@ def _absolute(uri: str) -> str:
     return os.path.abspath(os.path.expanduser(uri))
 
 
-def _check_job(spec: dict[str, Any]) -> None:
+def _check_body(model: str, body: dict[str, Any], what: str) -> None:
     """Validate the body as the server will: a 422 becomes one ``error:`` line here."""
     from pydantic import ValidationError
 
-    from reshard_server.schemas import JobCreate
+    from reshard_server import schemas
 
     try:
-        JobCreate(**spec)
+        getattr(schemas, model)(**body)
     except ValidationError as e:
         fields = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}" for d in e.errors())
-        err.print(f"[bold red]error:[/] invalid job: {fields}", highlight=False)
+        err.print(f"[bold red]error:[/] invalid {what}: {fields}", highlight=False)
         raise typer.Exit(2) from None
 
 
@@ -284,3 +304,105 @@ def wait_cmd(
     _print_job(job, as_json)
     if job.state.value != "succeeded":
         raise typer.Exit(1)
+
+
+@app.command()
+def watch(
+    root: Annotated[str, typer.Argument(help="Folder of step folders (under the server's roots).")],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to", help="Target of each step's job; holds {step}, e.g. /exports/hf-{step}."
+        ),
+    ],
+    every: Annotated[int, typer.Option(min=1, help="Only steps divisible by K.", metavar="K")] = 1,
+    existing: Annotated[
+        bool, typer.Option("--existing", help="Also convert the steps already committed.")
+    ] = False,
+    mesh: MeshOpt = None,
+    rules: RulesOpt = None,
+    format: FormatOpt = "native",
+    dtype: DtypeOpt = None,
+    keep_dtype: KeepDtypeOpt = None,
+    workers: WorkersOpt = None,
+    nodes: NodesOpt = 1,
+    workers_per_node: WorkersPerNodeOpt = None,
+    strategy: StrategyOpt = "auto",
+    max_memory: MaxMemoryOpt = None,
+    checksum: ChecksumOpt = "crc32c",
+    overwrite: OverwriteOpt = False,
+    only: OnlyOpt = None,
+    strip_prefix: StripPrefixOpt = None,
+    rename: RenameOpt = None,
+    split_layers: SplitLayersOpt = False,
+    dequantize: DequantizeOpt = None,
+    no_copy_config: NoCopyConfigOpt = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the watch as JSON.")] = False,
+) -> None:
+    """Have reshard-server convert each step committed under ROOT from now on (step-N,
+    step_N, iter_N, global_step_N, checkpoint-N folders of reshard, torch DCP or
+    torch_checkpointing): one job per step, never for a half-written one."""
+    options = _job_options(
+        mesh, rules, rename, format=format, dtype=dtype, keep_dtype=keep_dtype, workers=workers,
+        nodes=nodes, workers_per_node=workers_per_node, strategy=strategy,
+        max_memory=max_memory, checksum=checksum, overwrite=overwrite, only=only,
+        strip_prefix=strip_prefix, split_layers=split_layers, dequantize=dequantize,
+        no_copy_config=no_copy_config,
+    )  # fmt: skip
+    body = {"root": _absolute(root), "target": _absolute(to), "every": every,
+            "existing": existing, **options}  # fmt: skip
+    _check_body("WatchCreate", body, "watch")
+    with _client(url, token) as client:
+        w = _remote(lambda: client.watch(body))
+    if as_json:
+        sys.stdout.write(w.model_dump_json(indent=1) + "\n")
+        return
+    skipped = sum(1 for s in w.steps if s.outcome == "existing")
+    out.print(f"[bold]{w.id}[/]  watching {w.root} (every {w.every}) -> {w.target}",
+              highlight=False)  # fmt: skip
+    if skipped:
+        out.print(f"  {skipped} step(s) already committed are left alone (--existing converts "
+                  "them)", highlight=False)  # fmt: skip
+    out.print(f"  `reshard unwatch {w.id}` stops it", highlight=False)
+
+
+@app.command()
+def watches(
+    all: Annotated[bool, typer.Option("--all", help="Stopped watches too.")] = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    as_json: TableJsonOpt = False,
+) -> None:
+    """List the server's watches: root, target, the jobs submitted, the last step."""
+    with _client(url, token) as client:
+        page = _remote(lambda: client.watches(all=all))
+    if as_json:
+        sys.stdout.write(page.model_dump_json(indent=1) + "\n")
+        return
+    table = Table(title=f"{len(page.items)} watch(es)", title_justify="left")
+    for col in ("id", "state", "root", "every", "target", "jobs", "last step", "error"):
+        table.add_column(col)
+    for w in page.items:
+        last = next((s for s in w.steps if s.outcome != "existing"), None)
+        shown = f"{last.step} ({last.job_id or last.outcome})" if last else "-"
+        table.add_row(w.id, w.state, w.root, str(w.every), w.target, str(w.submitted), shown,
+                      w.error or "")  # fmt: skip
+    out.print(table)
+
+
+@app.command()
+def unwatch(
+    watch_id: Annotated[str, typer.Argument(help="Watch id (`reshard watches`).")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    as_json: TableJsonOpt = False,
+) -> None:
+    """Stop a watch: no new jobs (the ones it submitted keep running)."""
+    with _client(url, token) as client:
+        w = _remote(lambda: client.unwatch(watch_id))
+    if as_json:
+        sys.stdout.write(w.model_dump_json(indent=1) + "\n")
+        return
+    out.print(f"{w.id} stopped; it submitted {w.submitted} job(s)", highlight=False)

@@ -20,7 +20,15 @@ from typing import Any
 import httpx
 
 from reshard_client.errors import TransportError, error_for
-from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic
+from reshard_server.schemas import (
+    JobCreate,
+    JobList,
+    JobLogs,
+    JobPublic,
+    WatchCreate,
+    WatchList,
+    WatchPublic,
+)
 
 __all__ = ["AsyncReshardClient", "ReshardClient", "TERMINAL"]
 
@@ -114,6 +122,25 @@ class _Api:
         return _Call("GET", "/v1/checkpoints", dict, {"params": {"uri": uri}})
 
     @staticmethod
+    def watch(spec: WatchCreate | dict[str, Any]) -> _Call:
+        model = spec if isinstance(spec, WatchCreate) else WatchCreate(**spec)
+        body = model.model_dump(mode="json", exclude_none=True)
+        return _Call("POST", "/v1/watches", WatchPublic.model_validate, {"json": body})
+
+    @staticmethod
+    def watches(all: bool) -> _Call:
+        return _Call("GET", "/v1/watches", WatchList.model_validate,
+                     {"params": {"all": "true"} if all else {}})  # fmt: skip
+
+    @staticmethod
+    def get_watch(watch_id: str) -> _Call:
+        return _Call("GET", f"/v1/watches/{watch_id}", WatchPublic.model_validate)
+
+    @staticmethod
+    def unwatch(watch_id: str) -> _Call:
+        return _Call("DELETE", f"/v1/watches/{watch_id}", WatchPublic.model_validate)
+
+    @staticmethod
     def events_path(job_id: str) -> str:
         return f"/v1/jobs/{job_id}/events"
 
@@ -188,6 +215,19 @@ class ReshardClient:
 
     def checkpoint(self, uri: str) -> dict[str, Any]:
         return self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
+
+    def watch(self, spec: WatchCreate | dict[str, Any]) -> WatchPublic:
+        """Convert each newly committed step of ``spec["root"]`` (see ``WatchCreate``)."""
+        return self._send(_Api.watch(spec))  # type: ignore[no-any-return]
+
+    def watches(self, *, all: bool = False) -> WatchList:
+        return self._send(_Api.watches(all))  # type: ignore[no-any-return]
+
+    def get_watch(self, watch_id: str) -> WatchPublic:
+        return self._send(_Api.get_watch(watch_id))  # type: ignore[no-any-return]
+
+    def unwatch(self, watch_id: str) -> WatchPublic:
+        return self._send(_Api.unwatch(watch_id))  # type: ignore[no-any-return]
 
     def events(self, job_id: str) -> Iterator[tuple[str, JobPublic]]:
         """Server-sent events until the job ends: ("progress" | "state", job)."""
@@ -270,6 +310,19 @@ class AsyncReshardClient:
 
     async def checkpoint(self, uri: str) -> dict[str, Any]:
         return await self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
+
+    async def watch(self, spec: WatchCreate | dict[str, Any]) -> WatchPublic:
+        """Convert each newly committed step of ``spec["root"]`` (see ``WatchCreate``)."""
+        return await self._send(_Api.watch(spec))  # type: ignore[no-any-return]
+
+    async def watches(self, *, all: bool = False) -> WatchList:
+        return await self._send(_Api.watches(all))  # type: ignore[no-any-return]
+
+    async def get_watch(self, watch_id: str) -> WatchPublic:
+        return await self._send(_Api.get_watch(watch_id))  # type: ignore[no-any-return]
+
+    async def unwatch(self, watch_id: str) -> WatchPublic:
+        return await self._send(_Api.unwatch(watch_id))  # type: ignore[no-any-return]
 
     async def events(self, job_id: str) -> AsyncIterator[tuple[str, JobPublic]]:
         """Server-sent events until the job ends: ("progress" | "state", job)."""

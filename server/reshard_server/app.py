@@ -11,12 +11,15 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reshard_server.api.routes import checkpoints, health, jobs
+from reshard_server.admission import admit
+from reshard_server.api.routes import checkpoints, health, jobs, watches
 from reshard_server.config import Settings
-from reshard_server.db import JobStore, ServerLock
+from reshard_server.db import JobRow, JobStore, ServerLock
 from reshard_server.jobs import JobManager
 from reshard_server.launcher import Launcher, make_launcher
 from reshard_server.metrics import Metrics
+from reshard_server.schemas import JobCreate
+from reshard_server.watches import Watcher
 from reshard_svc._version import __version__
 
 __all__ = ["create_app"]
@@ -98,9 +101,16 @@ def create_app(
         manager = JobManager(settings, store, launcher or make_launcher(settings))
         app.state.store, app.state.manager = store, manager
         manager.start()  # re-attaches earlier jobs in the background
+
+        def admit_for_watch(spec: JobCreate, key: str) -> JobRow:
+            return admit(spec, settings, store, manager.launcher.max_nodes, key)[0]
+
+        watcher = Watcher(settings, store, admit_for_watch)
+        watcher.start()
         try:
             yield
         finally:
+            watcher.stop()
             manager.stop()
             store.close()
             held.release()
@@ -119,6 +129,7 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(jobs.callbacks)
     app.include_router(checkpoints.router)
+    app.include_router(watches.router)
     app.add_middleware(CountRequests, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

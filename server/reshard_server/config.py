@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     )
     worker_python: str = Field(default="", description="python for workers (default: this one)")
     poll_interval_s: float = Field(default=0.2, gt=0, description="how often engines are asked")
+    watch_interval_s: float = Field(
+        default=10.0, gt=0, description="how often watched roots are scanned for new steps"
+    )
 
     @field_validator("roots", "k8s_secret_keys", mode="before")
     @classmethod

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DatabaseInUse", "JobRow", "JobStore", "QueueFull", "ServerLock"]
+__all__ = [
+    "DatabaseInUse",
+    "JobRow",
+    "JobStore",
+    "QueueFull",
+    "ServerLock",
+    "WatchExists",
+    "WatchRow",
+    "WatchStepRow",
+]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -38,6 +47,26 @@ CREATE TABLE IF NOT EXISTS jobs (
     cancel_requested INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE TABLE IF NOT EXISTS watches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    state TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_scan_at REAL,
+    stopped_at REAL,
+    error TEXT
+);
+CREATE TABLE IF NOT EXISTS watch_steps (
+    watch_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    job_id TEXT,
+    detail TEXT,
+    at REAL NOT NULL,
+    PRIMARY KEY (watch_id, step)
+);
 """
 #: Columns added after the first release, with their types (added on open when missing).
 COLUMNS = {
@@ -157,8 +186,44 @@ class JobRow:
         )
 
 
+class WatchExists(Exception):
+    """An active watch already converts this root to this target: ``watch_id``."""
+
+    def __init__(self, watch_id: str) -> None:
+        self.watch_id = watch_id
+        super().__init__(watch_id)
+
+
+@dataclass
+class WatchStepRow:
+    step: int
+    source: str
+    outcome: str
+    job_id: str | None
+    detail: str | None
+    at: float
+
+
+@dataclass
+class WatchRow:
+    id: str
+    state: str
+    spec: dict[str, Any]
+    created_at: float
+    last_scan_at: float | None
+    stopped_at: float | None
+    error: str | None
+
+    @classmethod
+    def from_row(cls, r: sqlite3.Row) -> WatchRow:
+        return cls(
+            id=r["id"], state=r["state"], spec=json.loads(r["spec"]), created_at=r["created_at"],
+            last_scan_at=r["last_scan_at"], stopped_at=r["stopped_at"], error=r["error"],
+        )  # fmt: skip
+
+
 class JobStore:
-    """Thread-safe access to the jobs table."""
+    """Thread-safe access to the jobs table (and the watches that submit jobs)."""
 
     def __init__(self, path: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -269,3 +334,96 @@ class JobStore:
                 (*fields.values(), job_id, *from_states),
             )
             return cur.rowcount > 0
+
+    # ---- watches: a root whose newly committed steps become jobs
+
+    def create_watch(self, spec: dict[str, Any], baseline: dict[int, str]) -> WatchRow:
+        """Insert an active watch and the steps it will not convert (``baseline``: step ->
+        source), in one transaction. Raises WatchExists when an active watch has the same
+        root and target."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for row in self._db.execute("SELECT id, spec FROM watches WHERE state='active'"):
+                    other = json.loads(row["spec"])
+                    if (other["root"], other["target"]) == (spec["root"], spec["target"]):
+                        raise WatchExists(row["id"])
+                watch_id = uuid.uuid4().hex[:16]
+                now = time.time()
+                self._db.execute(
+                    "INSERT INTO watches (id, state, spec, created_at) VALUES (?, 'active', ?, ?)",
+                    (watch_id, json.dumps(spec), now),
+                )
+                self._db.executemany(
+                    "INSERT INTO watch_steps (watch_id, step, source, outcome, at) "
+                    "VALUES (?, ?, ?, 'existing', ?)",
+                    [(watch_id, step, source, now) for step, source in baseline.items()],
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            row = self._db.execute("SELECT * FROM watches WHERE id=?", (watch_id,)).fetchone()
+        return WatchRow.from_row(row)
+
+    def get_watch(self, watch_id: str) -> WatchRow | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM watches WHERE id=?", (watch_id,)).fetchone()
+        return WatchRow.from_row(row) if row else None
+
+    def watches(self, *states: str) -> builtins.list[WatchRow]:
+        """Watches in ``states`` (all when none are named), oldest first."""
+        where = f"WHERE state IN ({','.join('?' * len(states))})" if states else ""
+        with self._lock:
+            rows = self._db.execute(f"SELECT * FROM watches {where} ORDER BY seq", states)
+            return [WatchRow.from_row(r) for r in rows.fetchall()]
+
+    def update_watch(self, watch_id: str, **fields: Any) -> None:
+        cols = ", ".join(f"{k}=?" for k in fields)
+        with self._lock:
+            self._db.execute(f"UPDATE watches SET {cols} WHERE id=?", (*fields.values(), watch_id))
+
+    def stop_watch(self, watch_id: str) -> bool:
+        """Stop an active watch; False when it was not active."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE watches SET state='stopped', stopped_at=? WHERE id=? AND state='active'",
+                (time.time(), watch_id),
+            )
+            return cur.rowcount > 0
+
+    def watch_steps(self, watch_id: str, limit: int | None = None) -> builtins.list[WatchStepRow]:
+        """The steps a watch has dealt with, newest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM watch_steps WHERE watch_id=? ORDER BY step DESC LIMIT ?",
+                (watch_id, -1 if limit is None else limit),
+            ).fetchall()
+        return [WatchStepRow(step=r["step"], source=r["source"], outcome=r["outcome"],
+                             job_id=r["job_id"], detail=r["detail"], at=r["at"])
+                for r in rows]  # fmt: skip
+
+    def count_submitted(self, watch_id: str) -> int:
+        with self._lock:
+            (n,) = self._db.execute(
+                "SELECT COUNT(*) FROM watch_steps WHERE watch_id=? AND outcome='submitted'",
+                (watch_id,),
+            ).fetchone()
+        return int(n)
+
+    def record_step(
+        self,
+        watch_id: str,
+        step: int,
+        source: str,
+        outcome: str,
+        job_id: str | None = None,
+        detail: str | None = None,
+    ) -> None:
+        """What a watch did with ``step`` (once: a step already recorded keeps its record)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO watch_steps (watch_id, step, source, outcome, job_id, "
+                "detail, at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (watch_id, step, source, outcome, job_id, detail, time.time()),
+            )

@@ -33,12 +33,17 @@ from reshard_svc.plan.spec import (
 )
 
 __all__ = [
+    "ConvertOptions",
     "JobCreate",
     "JobList",
     "JobLogs",
     "JobPublic",
     "JobState",
     "ProgressPublic",
+    "WatchCreate",
+    "WatchList",
+    "WatchPublic",
+    "WatchStep",
 ]
 
 
@@ -54,19 +59,12 @@ class JobState(StrEnum):
         return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
 
 
-class JobCreate(BaseModel):
-    """A conversion to run: ``source`` -> ``target`` with a new mesh / rules / format.
-
-    Field types give the OpenAPI schema; the values are checked by
-    :class:`reshard_svc.plan.spec.ConvertSpec`, the contract the workers run (422 otherwise).
-    """
+class ConvertOptions(BaseModel):
+    """How a conversion reshapes what it reads (everything but where from and where to):
+    shared by a job and a watch's jobs."""
 
     model_config = ConfigDict(extra="forbid")
 
-    source: Annotated[
-        str, Field(min_length=1, max_length=4096, description="checkpoint URI to read")
-    ]
-    target: Annotated[str, Field(min_length=1, max_length=4096, description="new checkpoint URI")]
     mesh: dict[str, StrictInt] | None = Field(
         default=None, description='target mesh, e.g. {"tp": 2} or {"dp": 2, "tp": 4}'
     )
@@ -153,6 +151,23 @@ class JobCreate(BaseModel):
     def _count(cls, v: int | None, info: ValidationInfo) -> int | None:
         return None if v is None else check_count(info.field_name or "count", v, MAX_WORKERS)
 
+    def options(self) -> dict[str, Any]:
+        """The conversion options that were given, as a job body's fields."""
+        return self.model_dump(include=set(ConvertOptions.model_fields), exclude_none=True)
+
+
+class JobCreate(ConvertOptions):
+    """A conversion to run: ``source`` -> ``target`` with a new mesh / rules / format.
+
+    Field types give the OpenAPI schema; the values are checked by
+    :class:`reshard_svc.plan.spec.ConvertSpec`, the contract the workers run (422 otherwise).
+    """
+
+    source: Annotated[
+        str, Field(min_length=1, max_length=4096, description="checkpoint URI to read")
+    ]
+    target: Annotated[str, Field(min_length=1, max_length=4096, description="new checkpoint URI")]
+
     @model_validator(mode="after")
     def _contract(self) -> JobCreate:
         self._spec = ConvertSpec.from_json(self.model_dump(exclude_none=True))
@@ -163,6 +178,53 @@ class JobCreate(BaseModel):
     def to_spec(self) -> ConvertSpec:
         """The checked, normalised job contract."""
         return self._spec
+
+
+#: the one placeholder a watch's target template holds
+STEP_FIELD = "{step}"
+
+
+class WatchCreate(ConvertOptions):
+    """Watch a training root: one job per newly committed step folder (``step-N``,
+    ``step_N``, ``iter_N``, ``global_step_N``, ``checkpoint-N``) whose number is a multiple
+    of ``every``, converting it to ``target`` with ``{step}`` replaced by the step."""
+
+    root: Annotated[
+        str, Field(min_length=1, max_length=4096, description="the folder of step folders")
+    ]
+    target: Annotated[
+        str,
+        Field(min_length=1, max_length=4096,
+              description="where each step goes; holds {step}, e.g. s3://exports/hf-{step}"),
+    ]  # fmt: skip
+    every: StrictInt = Field(default=1, ge=1, le=10**12, description="only steps divisible by it")
+    existing: StrictBool = Field(
+        default=False,
+        description="also convert the steps already committed when the watch starts",
+    )
+
+    @field_validator("target")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        if STEP_FIELD not in v:
+            raise ValueError(
+                f"target must hold {STEP_FIELD} (one folder per step), e.g. /exports/hf-{{step}}"
+            )
+        if "{" in v.replace(STEP_FIELD, "") or "}" in v.replace(STEP_FIELD, ""):
+            raise ValueError(f"target may hold no placeholder but {STEP_FIELD}")
+        return v
+
+    @model_validator(mode="after")
+    def _contract(self) -> WatchCreate:
+        self.job(0, self.root.rstrip("/") + "/step-0")  # the jobs it will submit are valid
+        return self
+
+    def target_for(self, step: int) -> str:
+        return self.target.replace(STEP_FIELD, str(step))
+
+    def job(self, step: int, source: str) -> JobCreate:
+        """The job converting step ``step`` (stored at ``source``)."""
+        return JobCreate(**self.options(), source=source, target=self.target_for(step))
 
 
 class ProgressPublic(BaseModel):
@@ -211,3 +273,36 @@ class JobLogs(BaseModel):
     next_offset: int
     size: int
     text: str
+
+
+class WatchStep(BaseModel):
+    step: int
+    source: str
+    outcome: Literal["submitted", "existing", "refused"] = Field(
+        description="submitted: a job converts it; existing: committed before the watch "
+        "started (not converted); refused: the server refused its job (see detail)"
+    )
+    job_id: str | None = None
+    detail: str | None = None
+    at: datetime
+
+
+class WatchPublic(BaseModel):
+    id: str
+    state: Literal["active", "stopped"]
+    spec: WatchCreate
+    root: str
+    target: str
+    every: int
+    submitted: int = Field(description="jobs this watch submitted")
+    steps: list[WatchStep] = Field(description="the steps it has seen, newest first (up to 100)")
+    error: str | None = Field(
+        default=None, description="why the last scan failed (the root unreadable), if it did"
+    )
+    created_at: datetime
+    last_scan_at: datetime | None = None
+    stopped_at: datetime | None = None
+
+
+class WatchList(BaseModel):
+    items: list[WatchPublic]

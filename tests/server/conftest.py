@@ -87,6 +87,15 @@ class Server:
                 self.proc.kill()
 
 
+def cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``reshard`` command line against ``server`` (its URL and token from the env)."""
+    env = {**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN}
+    return subprocess.run(
+        [sys.executable, "-m", "reshard_client.cli", *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def make_server(tmp_path):
     servers: list[Server] = []

@@ -6,8 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,20 +15,9 @@ import reshard_svc
 from reshard_client import Conflict
 from reshard_server.launcher import job_pids
 from reshard_svc.errors import NotACheckpointError
-from tests.server.conftest import TOKEN, assert_holds, make_tp4, tensors
+from tests.server.conftest import assert_holds, cli, make_tp4, tensors
 
 pytestmark = pytest.mark.distributed
-
-
-def cli(server, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN}
-    return subprocess.run(
-        [sys.executable, "-m", "reshard_client.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.mark.s3
