@@ -38,11 +38,13 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import replace as dc_replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard_svc.errors import UsageError
-from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Box
+
+if TYPE_CHECKING:  # the index imports torch; renaming (the CLI's preflight) does not need it
+    from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 
 __all__ = [
     "Rename",
@@ -254,6 +256,8 @@ def _split_chunk(chunk: Chunk, index: int, itemsize: int) -> Chunk | None:
     decoded) gets a selection suffix per axis taken (``torch_save@0,2``: slice 0 of the
     decoded item's first axis, then slice 2 of the next), so each slice's tensor reads the
     item and keeps its own slice."""
+    from reshard_svc.format.index import Chunk
+
     box = chunk.box
     lo = index - box.offsets[0]
     if not 0 <= lo < box.sizes[0]:
@@ -287,6 +291,8 @@ def split_layers(index: CheckpointIndex) -> CheckpointIndex:
 
 def _split(meta: TensorMeta, axes: Sequence[StackedAxis]) -> list[TensorMeta]:
     """``meta`` cut along its stacked axes, the indices inserted into its name."""
+    from reshard_svc.format.index import TensorMeta
+
     metas = [(meta, meta.name.split("."))]
     for depth, axis in enumerate(axes):
         out = []
@@ -313,6 +319,8 @@ def select_tensors(
     A rule or glob that matches nothing, a selection that is empty, or names that end up
     equal is a :class:`UsageError`.
     """
+    from reshard_svc.format.index import CheckpointIndex
+
     if not only and not strip_prefix and not renames:
         return index
     every = [*index.tensors, *index.extras, *index.blobs]

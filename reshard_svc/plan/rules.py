@@ -19,10 +19,9 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard_svc.errors import LayoutError
-from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import (
     Layout,
     Mesh,
@@ -32,6 +31,9 @@ from reshard_svc.layout import (
     StridedShard,
     parse_placements,
 )
+
+if TYPE_CHECKING:  # the index imports torch; checking rules (the CLI) does not need it
+    from reshard_svc.format.index import CheckpointIndex
 
 __all__ = ["load_rules", "resolve_layouts"]
 

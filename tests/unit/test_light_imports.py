@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,3 +47,27 @@ def test_every_public_error_is_exported():
     assert set(errors.__all__) == defined
     for name in reshard_svc.__all__:
         assert hasattr(reshard_svc, name), name
+
+
+def test_convert_with_workers_leaves_torch_to_the_workers(tmp_path):
+    """``reshard convert --workers 2``: its preflight (paths, target, renames) and the
+    launch run without torch in the CLI process; each worker imports it once."""
+    import re
+
+    import torch
+
+    import reshard_svc
+
+    reshard_svc.save({"w": torch.arange(64.0).reshape(8, 8)}, str(tmp_path / "src"))
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "reshard_client.cli", "convert",
+         str(tmp_path / "src"), str(tmp_path / "dst"), "--mesh", "tp=2", "--rules",
+         '{"*": "S(0)"}', "--rename", "w=x", "--workers", "2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPROFILEIMPORTTIME": ""},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "import time:" in out.stderr  # the CLI's own imports are listed
+    assert not re.search(r"\|\s+torch$", out.stderr, re.M), "the CLI process imported torch"
+    got = {"x": torch.zeros(8, 8)}
+    reshard_svc.load(got, str(tmp_path / "dst"))
+    assert torch.equal(got["x"], torch.arange(64.0).reshape(8, 8))
