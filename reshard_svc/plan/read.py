@@ -45,7 +45,14 @@ from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.cost import StorageCost
 from reshard_svc.plan.items import Held, Piece, Read, Target
 from reshard_svc.plan.packing import pack
-from reshard_svc.plan.template import Template, band_limit, build_template, row_step, split_rows
+from reshard_svc.plan.template import (
+    EVERY_HOLDER,
+    Template,
+    band_limit,
+    build_template,
+    row_step,
+    split_rows,
+)
 
 __all__ = [
     "PLANS",
@@ -101,16 +108,64 @@ class BandWave:
         return tuple(out)
 
     @property
+    def crosses(self) -> bool:
+        """Whether any piece goes from one rank to another (every rank then exchanges)."""
+        for inst, b in self.items:
+            tpl = inst.template
+            band = tpl.bands[b]
+            for p in band.pieces:
+                reader = band.reads[p.read].reader
+                if p.dest == EVERY_HOLDER:
+                    if len(tpl.targets[p.target].holders) > 1:
+                        return True
+                elif p.dest != reader:
+                    return True
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the wave delivers, over every rank (each holder's copy counted)."""
+        total = 0
+        for inst, b in self.items:
+            tpl = inst.template
+            for p in tpl.bands[b].pieces:
+                copies = 1 if p.dest != EVERY_HOLDER else len(tpl.targets[p.target].holders)
+                total += p.nbytes * copies
+        return total
+
+    @property
     def pieces(self) -> tuple[Piece, ...]:
+        """Every piece of the wave, for every rank (tests, and plans that need them all)."""
+        return self._pieces(None)
+
+    def pieces_for(self, rank: int) -> tuple[Piece, ...]:
+        """The pieces ``rank`` sends or receives, in the wave's order: what the executor
+        needs on that rank, without expanding anyone else's replicated pieces."""
+        return self._pieces(rank)
+
+    def _pieces(self, me: int | None) -> tuple[Piece, ...]:
         keyed = []
         for inst, b in self.items:
-            band = inst.template.bands[b]
-            base = inst.read_base + inst.template.read_offsets[b]
+            tpl = inst.template
+            band = tpl.bands[b]
+            base = inst.read_base + tpl.read_offsets[b]
             t0 = inst.target_base
             for p in band.pieces:
-                piece = Piece(read=base + p.read, box=p.box, target=t0 + p.target, dest=p.dest,
-                              nbytes=p.nbytes)  # fmt: skip
-                keyed.append(((band.reads[p.read].reader, p.dest, piece.read, p.box), piece))
+                reader = band.reads[p.read].reader
+                if p.dest != EVERY_HOLDER:
+                    dests: Iterable[int] = (p.dest,)
+                    if me is not None and me != reader and me != p.dest:
+                        continue
+                elif me is None or me == reader:
+                    dests = tpl.targets[p.target].holders
+                elif tpl.holds(p.target, me):
+                    dests = (me,)
+                else:
+                    continue
+                for d in dests:
+                    piece = Piece(read=base + p.read, box=p.box, target=t0 + p.target, dest=d,
+                                  nbytes=p.nbytes)  # fmt: skip
+                    keyed.append(((reader, d, piece.read, p.box), piece))
         keyed.sort(key=lambda kp: kp[0])
         return tuple(p for _, p in keyed)
 
@@ -180,6 +235,24 @@ class ReadPlan:
         for i in self.instances:
             out += i.template.sent_bytes
         return [int(x) for x in out]
+
+    def bytes_received(self) -> list[int]:
+        """Bytes each rank receives from other ranks."""
+        out = np.zeros(self.world, dtype=np.int64)
+        for i in self.instances:
+            out += i.template.recv_bytes
+        return [int(x) for x in out]
+
+    def peak_use(self) -> list[int]:
+        """Each rank's most bytes in flight in one wave (read, send, receive and target
+        buffers): what the memory budget bounds."""
+        peak = np.zeros(self.world, dtype=np.int64)
+        for wave in self.waves:
+            use = np.zeros(self.world, dtype=np.int64)
+            for inst, b in wave.items:
+                use += inst.template.bands[b].use
+            np.maximum(peak, use, out=peak)
+        return [int(x) for x in peak]
 
     def reads_count(self) -> int:
         return sum(i.template.n_reads for i in self.instances)
@@ -316,7 +389,7 @@ def _plan(
         if variants is None:
             variants = templates[tid] = {0: _template(tkey, limit, world, strategy)}
         n = seen[tid] = seen.get(tid, -1) + 1
-        v = n % variants[0].ties
+        v = n % min(variants[0].ties, MAX_VARIANTS)
         tpl = variants.get(v) or variants.setdefault(v, _template(tkey, limit, world, strategy, v))
         instances.append(_Instance(name, tpl, index.tensors[name].chunks, t_base, r_base))
         t_base += len(tpl.targets)
@@ -324,6 +397,11 @@ def _plan(
     return ReadPlan(_Targets(instances), _waves(instances, world, budget), world, strategy,
                     tuple(instances))  # fmt: skip
 
+
+#: Templates one shape is planned in at most, its reads rotated over tied readers (tensors
+#: sharing it take them in turn): enough to spread replicated tensors' reads, bounded so a
+#: box held by 4,096 ranks is not planned 4,096 times.
+MAX_VARIANTS = 16
 
 #: The last few read plans, keyed by their whole inputs: the checkpoint's chunks, the
 #: target boxes and holders, world, budget, strategy and cost model.

@@ -15,6 +15,12 @@ tensor, then a rotation by ``variant``. Tensors that share a template but whose 
 ties (replicated targets) take successive variants, so their reads spread over the tied
 ranks. A template's pieces are :class:`~reshard_svc.plan.items.Piece` with read and target
 indices relative to the band and the tensor; :mod:`reshard_svc.plan.read` offsets them.
+
+A part of a read that every holder of a replicated target box receives is one piece with
+``dest`` :data:`EVERY_HOLDER`, never one per holder: a norm replicated on 4,096 ranks
+costs its stored chunks, not chunks × holders. Readers of such a box are striped over its
+holders (the least loaded first), so each holder reads about its share and sends about
+one copy. Each rank expands only its own pieces (:meth:`Template.holds`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from reshard_svc.layout.balance import least_loaded
 from reshard_svc.plan.items import Held, Piece
 
 __all__ = [
+    "EVERY_HOLDER",
     "ChunkRead",
     "TBand",
     "Template",
@@ -38,6 +45,10 @@ __all__ = [
     "row_step",
     "split_rows",
 ]
+
+
+#: a template piece's ``dest`` when every holder of its target receives it
+EVERY_HOLDER = -1
 
 
 def band_limit(budget: int) -> int:
@@ -93,11 +104,19 @@ class Template:
     ties: int
     read_bytes: np.ndarray  # per rank
     sent_bytes: np.ndarray  # per rank, to other ranks
+    recv_bytes: np.ndarray  # per rank, from other ranks
     #: reads before each band (a read's id within the tensor is offset + index)
     read_offsets: tuple[int, ...]
     n_reads: int
     moved: int  # bytes that cross between ranks
     total: int  # bytes delivered
+    #: per target: its holders as a set when it has more than one (else None)
+    holder_sets: tuple[frozenset[int] | None, ...] = ()
+
+    def holds(self, target: int, rank: int) -> bool:
+        """Whether ``rank`` holds target ``target`` (of this template)."""
+        hs = self.holder_sets[target]
+        return rank in hs if hs is not None else self.targets[target].holders[0] == rank
 
 
 ChunkSig = tuple[Box, str, int]  # box, encoding, stored length
@@ -123,7 +142,7 @@ def build_template(
         for piece in split_rows(o.box, step):
             key = piece.offsets[0] // step if piece.ndim else 0
             by_band.setdefault(key, []).append((o.src, piece, o.dst))
-    load = [0] * world  # bytes each rank reads, within this tensor
+    load = np.zeros(world, dtype=np.int64)  # bytes each rank reads, within this tensor
     bands, ties = [], 1
     for key in sorted(by_band):
         band, tied = _plan_band(by_band[key], chunks, targets, itemsize, strategy, load, variant)
@@ -138,7 +157,7 @@ def _plan_band(
     targets: Sequence[Held],
     itemsize: int,
     strategy: str,
-    load: list[int],
+    load: np.ndarray,
     variant: int,
 ) -> tuple[TBand, int]:
     """The reads and parts of one row band (``pieces``: chunk, region, target), and the
@@ -150,6 +169,7 @@ def _plan_band(
     parts: list[Piece] = []
     use = np.zeros(len(load), dtype=np.int64)
     ties = 1
+    groups: dict[int, tuple[np.ndarray, frozenset[int]]] = {}  # target -> its holders, once
     for ci in sorted(per_chunk):
         box, encoding, length = chunks[ci]
         for read_box, rparts in _read_boxes(box, encoding, per_chunk[ci], strategy, targets):
@@ -157,24 +177,58 @@ def _plan_band(
                 skip, nb = 0, length
             else:
                 skip, nb = _byte_offset(box, read_box, itemsize), read_box.numel * itemsize
-            recv: dict[int, int] = {}
-            for inter, _, dests in rparts:
-                for h in dests:
-                    recv[h] = recv.get(h, 0) + inter.numel * itemsize
-            reader = least_loaded(list(recv), load, prefer=recv, turn=variant)
-            ties = max(ties, sum(1 for v in recv.values() if v == recv[reader]))
+            reader, tied = _reader(rparts, itemsize, load, variant, groups)
+            ties = max(ties, tied)
             load[reader] += nb
             use[reader] += nb
             ri = len(reads)
             reads.append(ChunkRead(chunk=ci, skip=skip, nbytes=nb, box=read_box, reader=reader))
             for inter, t, dests in rparts:
                 n = inter.numel * itemsize
-                for h in dests:
-                    parts.append(Piece(read=ri, box=inter, target=t, dest=h, nbytes=n))
-                    use[h] += n  # receive buffer or target buffer
-                    if h != reader:
+                if len(dests) == 1:
+                    parts.append(Piece(read=ri, box=inter, target=t, dest=dests[0], nbytes=n))
+                    use[dests[0]] += n  # receive buffer or target buffer
+                    if dests[0] != reader:
                         use[reader] += n  # packed send buffer
+                    continue
+                parts.append(Piece(read=ri, box=inter, target=t, dest=EVERY_HOLDER, nbytes=n))
+                ranks, members = _group(groups, t, dests)
+                use[ranks] += n
+                use[reader] += n * (len(dests) - (reader in members))
     return TBand(tuple(reads), tuple(parts), use), ties
+
+
+def _group(
+    groups: dict[int, tuple[np.ndarray, frozenset[int]]], target: int, holders: tuple[int, ...]
+) -> tuple[np.ndarray, frozenset[int]]:
+    got = groups.get(target)
+    if got is None:
+        got = groups[target] = (np.asarray(sorted(holders), dtype=np.int64), frozenset(holders))
+    return got
+
+
+def _reader(
+    rparts: list[tuple[Box, int, tuple[int, ...]]],
+    itemsize: int,
+    load: np.ndarray,
+    turn: int,
+    groups: dict[int, tuple[np.ndarray, frozenset[int]]],
+) -> tuple[int, int]:
+    """The rank that does one read (:func:`least_loaded`: the holder receiving most of it,
+    then the least loaded, rotated by ``turn``) and how many were equally good."""
+    _, t, dests = rparts[0]
+    if len(dests) > 1 and all(d is dests or d == dests for _, _, d in rparts[1:]):
+        # every holder receives all of it: the least loaded holders are the tied ones
+        cand = _group(groups, t, dests)[0]
+        loads = load[cand]
+        tied = cand[loads == loads.min()]  # in rank order, as least_loaded's
+        return int(tied[turn % len(tied)]), len(dests)
+    recv: dict[int, int] = {}
+    for inter, _, ds in rparts:
+        for h in ds:
+            recv[h] = recv.get(h, 0) + inter.numel * itemsize
+    reader = least_loaded(list(recv), load, prefer=recv, turn=turn)  # type: ignore[arg-type]
+    return reader, sum(1 for v in recv.values() if v == recv[reader])
 
 
 def _summarize(
@@ -182,6 +236,9 @@ def _summarize(
 ) -> Template:
     read_bytes = np.zeros(world, dtype=np.int64)
     sent_bytes = np.zeros(world, dtype=np.int64)
+    recv_bytes = np.zeros(world, dtype=np.int64)
+    sets = tuple(frozenset(t.holders) if len(t.holders) > 1 else None for t in targets)
+    arrays: dict[int, np.ndarray] = {}
     offsets = []
     moved = total = n_reads = 0
     for band in bands:
@@ -190,13 +247,27 @@ def _summarize(
         for r in band.reads:
             read_bytes[r.reader] += r.nbytes
         for p in band.pieces:
-            total += p.nbytes
             src = band.reads[p.read].reader
+            if p.dest == EVERY_HOLDER:
+                holders = sets[p.target]
+                copies = len(holders) - (src in holders)  # type: ignore[arg-type,operator]
+                total += p.nbytes * len(holders)  # type: ignore[arg-type]
+                moved += p.nbytes * copies
+                sent_bytes[src] += p.nbytes * copies
+                ranks = arrays.get(p.target)
+                if ranks is None:
+                    ranks = arrays[p.target] = np.asarray(targets[p.target].holders)
+                recv_bytes[ranks] += p.nbytes
+                if src in holders:  # type: ignore[operator]
+                    recv_bytes[src] -= p.nbytes
+                continue
+            total += p.nbytes
             if p.dest != src:
                 moved += p.nbytes
                 sent_bytes[src] += p.nbytes
-    return Template(targets, bands, ties, read_bytes, sent_bytes, tuple(offsets), n_reads,
-                    moved, total)  # fmt: skip
+                recv_bytes[p.dest] += p.nbytes
+    return Template(targets, bands, ties, read_bytes, sent_bytes, recv_bytes, tuple(offsets),
+                    n_reads, moved, total, sets)  # fmt: skip
 
 
 def _read_boxes(

@@ -113,17 +113,29 @@ class _MyWave:
     mine: list[Read]  # the reads this rank performs
     pieces_of: dict[int, list[Piece]]  # read id -> its pieces, for this rank's reads
     crossing: list[Piece]
+    #: whether any piece of the wave crosses between ranks (then every rank exchanges)
+    exchanges: bool
 
     @classmethod
     def of(cls, wave: Wave, me: int) -> _MyWave:
-        reads, pieces = wave.reads, wave.pieces  # built once per wave
+        reads = wave.reads  # built once per wave
         readers = {r.id: r for r in reads}
+        # only this rank's pieces: a plan may hold one piece for every holder of a box
+        mine_of = getattr(wave, "pieces_for", None)
+        if mine_of is not None:
+            pieces = mine_of(me)
+            exchanges = bool(wave.crosses)  # type: ignore[attr-defined]
+        else:
+            every = wave.pieces
+            exchanges = any(readers[p.read].reader != p.dest for p in every)
+            pieces = [p for p in every if me in (p.dest, readers[p.read].reader)]
         pieces_of: dict[int, list[Piece]] = {}
         for p in pieces:
             if readers[p.read].reader == me:
                 pieces_of.setdefault(p.read, []).append(p)
         crossing = [p for p in pieces if readers[p.read].reader != p.dest]
-        return cls(pieces, readers, [r for r in reads if r.reader == me], pieces_of, crossing)
+        mine = [r for r in reads if r.reader == me]
+        return cls(pieces, readers, mine, pieces_of, crossing, exchanges)
 
     def sender(self, p: Piece) -> int:
         return self.readers[p.read].reader
@@ -146,8 +158,8 @@ class _Step:
         self.send = self.recv = torch.empty(0, dtype=torch.uint8)
         self.send_splits = [0] * comm.world
         self.recv_splits = [0] * comm.world
-        self.sent: dict[int, int] = {}  # piece index -> CRC32C, when verifying
-        self.got: dict[int, int] = {}
+        self.sent: dict[str, int] = {}  # piece key -> CRC32C, when verifying
+        self.got: dict[str, int] = {}
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         if self.arena is not None:
@@ -158,7 +170,7 @@ class _Step:
         w, me = self.w, self.comm.rank
         views, self.in_place = self.source.read(w.mine, w.pieces_of, dest)
         self.bands = {r.id: v for r, v in zip(w.mine, views)}
-        if not w.crossing or self.comm.world == 1:
+        if not w.exchanges or self.comm.world == 1:
             return
         for p in w.crossing:
             src = w.sender(p)
@@ -168,7 +180,6 @@ class _Step:
                 self.recv_splits[src] += aligned(p.nbytes)
         self.send = self._buffer(sum(self.send_splits))
         self.recv = self._buffer(sum(self.recv_splits))
-        index = {id(p): i for i, p in enumerate(w.pieces)} if verify else {}
         off = 0
         for p in w.crossing:
             if w.sender(p) != me:
@@ -177,11 +188,11 @@ class _Step:
             typed = slot.view(self.source.dtype(w.readers[p.read].tensor)).view(p.box.sizes)
             typed.copy_(w.piece(self.bands, p))
             if verify:
-                self.sent[index[id(p)]] = _crc(slot)
+                self.sent[_key(p)] = _crc(slot)
             off += aligned(p.nbytes)
 
     def exchange(self) -> None:
-        if not self.w.crossing or self.comm.world == 1:
+        if not self.w.exchanges or self.comm.world == 1:
             return
         self.recv = self.comm.exchange(
             self.send, self.send_splits, self.recv_splits, out=self.recv,
@@ -198,12 +209,11 @@ class _Step:
             if not dest.take(p, data):
                 dest.view(p).copy_(data)
 
-        index = {id(p): i for i, p in enumerate(w.pieces)} if verify else {}
         for p in w.pieces:
             if p.dest == me and w.sender(p) == me:
                 data = w.piece(self.bands, p)
                 if verify:
-                    self.sent[index[id(p)]] = _crc(data)
+                    self.sent[_key(p)] = _crc(data)
                 if p not in self.in_place:
                     land(p, data)
         off = 0
@@ -215,25 +225,34 @@ class _Step:
         self.bands.clear()
         self.recv = torch.empty(0, dtype=torch.uint8)
         if verify:
-            for i, p in enumerate(w.pieces):
+            for p in w.pieces:
                 if p.dest == me:
-                    self.got[i] = _crc(dest.view(p))
+                    self.got[_key(p)] = _crc(dest.view(p))
+
+
+def _key(p: Piece) -> str:
+    """A piece's name on every rank: read, target, destination, box (JSON-safe)."""
+    return f"{p.read}:{p.target}:{p.dest}:{','.join(map(str, p.box.offsets))}:" + ",".join(
+        map(str, p.box.sizes)
+    )
 
 
 def _check_pieces(wave: _MyWave, plan: Plan, reports: list[Any]) -> None:
-    """Every piece landed with the CRC32C it was sent with (the same verdict on every rank)."""
-    sent: dict[int, int] = {}
-    got: dict[int, int] = {}
+    """Every piece landed with the CRC32C it was sent with (the same verdict on every rank:
+    each rank reports the pieces it sent and landed, and every rank checks them all)."""
+    sent: dict[str, int] = {}
+    got: dict[str, int] = {}
     for r in reports:
-        sent.update({int(k): v for k, v in r["sent"].items()})
-        got.update({int(k): v for k, v in r["got"].items()})
+        sent.update(r["sent"])
+        got.update(r["got"])
     bad = []
-    for i, p in enumerate(wave.pieces):
-        if sent.get(i) != got.get(i):
-            t = plan.targets[p.target]
+    for key in sorted(set(sent) | set(got)):
+        if sent.get(key) != got.get(key):
+            read, target, dest, offsets, sizes = key.split(":")
+            sender = wave.readers[int(read)].reader
             bad.append(
-                f"{t.tensor!r} {list(p.box.offsets)}+{list(p.box.sizes)} from rank "
-                f"{wave.sender(p)} to rank {p.dest}: sent CRC32C {sent.get(i)}, landed {got.get(i)}"
+                f"{plan.targets[int(target)].tensor!r} [{offsets}]+[{sizes}] from rank {sender} "
+                f"to rank {dest}: sent CRC32C {sent.get(key)}, landed {got.get(key)}"
             )
     if bad:
         raise DistributedError(
@@ -298,7 +317,8 @@ def execute(
             dest.wave_done(wave)
         except Exception as e:  # surfaced on every rank at the next agreement
             pending.append(e)
-        done += sum(p.nbytes for p in w.pieces)
+        nbytes = getattr(wave, "nbytes", None)  # every rank's pieces, not only this one's
+        done += nbytes if nbytes is not None else sum(p.nbytes for p in wave.pieces)
         tensors_done += wave.tensors_done
         if progress is not None:
             progress(ProgressInfo(done, total, tensors_done, tensors_total))
