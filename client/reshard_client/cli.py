@@ -426,6 +426,79 @@ def steps(
     out.print(table)
 
 
+@app.command()
+def plan(
+    src: Annotated[str, typer.Argument(help="Source checkpoint (any format reshard reads).")],
+    world: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Workers to plan for (default: the mesh's size with --load, else 1)."
+        ),
+    ] = None,
+    mesh: Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=4 or dp=32,tp=16.")] = None,
+    rules: Annotated[
+        str | None, typer.Option(help="YAML/JSON: tensor glob -> placements (or a file).")
+    ] = None,
+    format: Annotated[str, typer.Option(help="native or hf.")] = "native",
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(help="Byte budget per worker, e.g. 1GiB (convert: 1GiB; load: 512MiB)."),
+    ] = None,
+    strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
+    load: Annotated[
+        bool,
+        typer.Option(
+            "--load", help="Size reshard_svc.load on the mesh's ranks instead of a convert."
+        ),
+    ] = False,
+    only: OnlyOpt = None,
+    strip_prefix: StripPrefixOpt = None,
+    rename: RenameOpt = None,
+    split_layers: SplitLayersOpt = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the plan's figures as JSON.")
+    ] = False,
+) -> None:
+    """A dry run: plan converting SRC (or loading it, --load) on --world workers, on this
+    machine, and print what each worker would read, send and receive, its peak memory,
+    the storage requests, waves and strategy. Reads the source's index only."""
+    from reshard_svc.errors import ReshardError
+    from reshard_svc.plan.names import load_renames
+    from reshard_svc.plan.spec import ConvertSpec
+    from reshard_svc.runtime.dry_run import dry_run
+
+    try:
+        renames = load_renames(rename)
+        spec = ConvertSpec(
+            src, src.rstrip("/") + ".plan", mesh=_parse_mesh(mesh), rules=_parse_rules(rules),
+            format=format, dtype=dtype, strategy=strategy, max_memory=max_memory,  # type: ignore[arg-type]
+            only=only or None, strip_prefix=strip_prefix, split_layers=split_layers,
+            rename=[str(r) for r in renames] if renames else None,
+        ).checked()  # fmt: skip
+        report = dry_run(spec, world, load=load)
+    except ReshardError as e:
+        raise _fail(e) from None
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_json()) + "\n")
+        return
+    out.print(
+        f"[bold]{report.mode}[/] of {src} on {report.world} worker(s): {report.strategy}, "
+        f"{report.tensors} tensors, {_size(report.bytes_total)} delivered, {report.waves} "
+        f"wave(s), {report.storage_requests} storage requests (planned in {report.plan_s} s)",
+        highlight=False,
+    )
+    table = Table(title_justify="left")
+    for col in ("per worker", "max", "mean", "max/mean"):
+        table.add_column(col, justify="left" if col == "per worker" else "right")
+    for label, spread in (("read from storage", report.read), ("sent", report.sent),
+                          ("received", report.received),
+                          (f"peak in flight (budget {_size(report.budget)})", report.peak_memory)):  # fmt: skip
+        table.add_row(label, _size(spread.max), _size(int(spread.mean)),
+                      f"{spread.max_over_mean:.2f}")  # fmt: skip
+    out.print(table)
+
+
 def _parse_mesh(mesh: str | None) -> dict[str, int] | None:
     from reshard_svc.plan.spec import parse_mesh
 

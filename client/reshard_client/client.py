@@ -25,6 +25,7 @@ from reshard_server.schemas import (
     JobList,
     JobLogs,
     JobPublic,
+    PlanCreate,
     WatchCreate,
     WatchList,
     WatchPublic,
@@ -122,6 +123,12 @@ class _Api:
         return _Call("GET", "/v1/checkpoints", dict, {"params": {"uri": uri}})
 
     @staticmethod
+    def plan(spec: PlanCreate | dict[str, Any]) -> _Call:
+        model = spec if isinstance(spec, PlanCreate) else PlanCreate(**spec)
+        body = model.model_dump(mode="json", exclude_none=True)
+        return _Call("POST", "/v1/plans", dict, {"json": body})
+
+    @staticmethod
     def watch(spec: WatchCreate | dict[str, Any]) -> _Call:
         model = spec if isinstance(spec, WatchCreate) else WatchCreate(**spec)
         body = model.model_dump(mode="json", exclude_none=True)
@@ -215,6 +222,10 @@ class ReshardClient:
 
     def checkpoint(self, uri: str) -> dict[str, Any]:
         return self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
+
+    def plan(self, spec: PlanCreate | dict[str, Any]) -> dict[str, Any]:
+        """A dry run on the server (``reshard plan``): what each worker would do."""
+        return self._send(_Api.plan(spec))  # type: ignore[no-any-return]
 
     def watch(self, spec: WatchCreate | dict[str, Any]) -> WatchPublic:
         """Convert each newly committed step of ``spec["root"]`` (see ``WatchCreate``)."""
@@ -310,6 +321,10 @@ class AsyncReshardClient:
 
     async def checkpoint(self, uri: str) -> dict[str, Any]:
         return await self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
+
+    async def plan(self, spec: PlanCreate | dict[str, Any]) -> dict[str, Any]:
+        """A dry run on the server (``reshard plan``): what each worker would do."""
+        return await self._send(_Api.plan(spec))  # type: ignore[no-any-return]
 
     async def watch(self, spec: WatchCreate | dict[str, Any]) -> WatchPublic:
         """Convert each newly committed step of ``spec["root"]`` (see ``WatchCreate``)."""

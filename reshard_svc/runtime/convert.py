@@ -251,8 +251,14 @@ class Conversion:
     def open(self) -> None:
         """Open the source (rank 0 reads its index, all share it) and the target; rank 0
         checks the target and takes its lease."""
+        self.spec.check_paths(self.storage_options)
+        self.open_source()
+        self.open_target()
+
+    def open_source(self) -> None:
+        """The source's index, as the conversion sees it: layers split, tensors selected
+        and renamed, FP8 scales set aside; and each tensor's target layout."""
         spec = self.spec
-        spec.check_paths(self.storage_options)
         self.storage, index = open_shared(spec.source, self.comm, self.storage_options)
         if spec.split_layers:
             index = split_layers(index)
@@ -268,9 +274,13 @@ class Conversion:
             scales = {p.scale for p in self.pairs.values()}
             kept = {n: m for n, m in self.index.tensors.items() if n not in scales}
             self.index = dc_replace(self.index, tensors=kept)
-        self.target = open_storage(spec.target, self.storage_options)
         native = spec.format == Format.NATIVE
         self.layouts = resolve_layouts(self.index, self.mesh, spec.rules) if native else {}
+
+    def open_target(self) -> None:
+        spec = self.spec
+        native = spec.format == Format.NATIVE
+        self.target = open_storage(spec.target, self.storage_options)
 
         def take_target() -> TargetRun | None:
             if self.comm.rank != 0:
@@ -284,17 +294,22 @@ class Conversion:
         self.token = tokens[0]
         self.staging = self.target.staging(self.token)
 
-    def plan(self) -> tuple[OutputPlan, ReadPlan, dict[tuple[str, Box], tuple[str, int]], str]:
+    def plan(
+        self, world: int | None = None
+    ) -> tuple[OutputPlan, ReadPlan, dict[tuple[str, Box], tuple[str, int]], str]:
         """The output plan, where each target band lands, and the read plan (``auto``:
-        the cheaper strategy for this source storage)."""
+        the cheaper strategy for this source storage), for this job's workers (or for
+        ``world`` of them: a dry run, before any target is taken)."""
         dequant_to = (self.out_dtype or torch.bfloat16) if self.pairs else None
         self.dtypes, self.cast, self.kept = cast_dtypes(
             self.index, self.out_dtype, self.spec.keep_dtype, dequant_to
         )
-        world = self.comm.world
+        world = world or self.comm.world
         if self.spec.format == Format.NATIVE:
-            suffix = self.staging.file_suffix
-            out = plan_native(self.index, self.layouts, self.dtypes, world, self.token, suffix)
+            staging = getattr(self, "staging", None)
+            token = getattr(self, "token", "0" * 32)
+            suffix = staging.file_suffix if staging is not None else ""
+            out = plan_native(self.index, self.layouts, self.dtypes, world, token, suffix)
         else:
             out = plan_hf(self.index, self.dtypes, world, self.shard_cap)
         self.file_writer = {f.name: f.writer for f in out.files}

@@ -12,7 +12,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reshard_server.admission import admit
-from reshard_server.api.routes import checkpoints, health, jobs, watches
+from reshard_server.api.routes import checkpoints, health, jobs, plans, watches
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, ServerLock
 from reshard_server.jobs import JobManager
@@ -130,6 +130,7 @@ def create_app(
     app.include_router(jobs.callbacks)
     app.include_router(checkpoints.router)
     app.include_router(watches.router)
+    app.include_router(plans.router)
     app.add_middleware(CountRequests, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

@@ -39,6 +39,7 @@ __all__ = [
     "JobLogs",
     "JobPublic",
     "JobState",
+    "PlanCreate",
     "ProgressPublic",
     "WatchCreate",
     "WatchList",
@@ -177,6 +178,32 @@ class JobCreate(ConvertOptions):
 
     def to_spec(self) -> ConvertSpec:
         """The checked, normalised job contract."""
+        return self._spec
+
+
+class PlanCreate(ConvertOptions):
+    """A dry run: plan converting ``source`` on ``world`` workers (or, ``load``, loading it
+    on the mesh's ranks) and say what each would do. Nothing is written."""
+
+    source: Annotated[
+        str, Field(min_length=1, max_length=4096, description="checkpoint URI to read")
+    ]
+    world: StrictInt | None = Field(
+        default=None, ge=1, le=65536,
+        description="workers to plan for (default: the mesh's size with load, else workers)",
+    )  # fmt: skip
+    load: StrictBool = Field(default=False, description="size a load on the mesh's ranks")
+
+    @model_validator(mode="after")
+    def _contract(self) -> PlanCreate:
+        self._spec = ConvertSpec.from_json(
+            {**self.options(), "source": self.source, "target": self.source.rstrip("/") + ".plan"}
+        )
+        return self
+
+    _spec: ConvertSpec = PrivateAttr()
+
+    def to_spec(self) -> ConvertSpec:
         return self._spec
 
 
