@@ -7,9 +7,14 @@ DCP's ``create_read_items_for_chunk_list`` on the same chunks in the same run. t
 one target rank at a time; we time a sample of ranks and extrapolate to all of them.
 
 Also prints the plan's quality at 64 and 512 workers (max/mean bytes read and sent per
-worker), planning time at three model sizes, and a repeated plan (served by the cache).
+worker), planning time at three model sizes, and a repeated plan (served by the cache);
+a replication sweep (one tensor of 2,048 stored chunks loaded ``Replicate`` by 256 …
+4,096 ranks); and a 1T-parameter MoE (Kimi-K2-shaped: 61 layers, 384 experts, hidden
+7168) saved on 2,048 ranks (dp=32 × ep=64) and loaded on 4,096 (ep=256 × tp=16, norms
+and routers replicated), each against torch's per-rank planner in the same run, with the
+peak RSS of this process.
 
-    python bench/plan.py [--torch-ranks 4] [--layers 126] [--runs 3]
+    python bench/plan.py [--torch-ranks 4] [--layers 126] [--runs 3] [--moe-layers 61]
 
 Prints JSON lines; the last one is the summary.
 """
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import resource
 import statistics
 import time
 
@@ -132,12 +139,95 @@ def torch_per_rank(index: CheckpointIndex, model: dict, dst: dict, world: int, r
     return (time.perf_counter() - t0) / len(sample), len(sample), items
 
 
+def rss_mb() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+def index_of(model: dict, src: dict[str, Layout], itemsize: int = 2) -> CheckpointIndex:
+    """``saved_index`` for any model and layouts (kind -> layout)."""
+    ends: dict[int, int] = {}
+    tensors = {}
+    for name, (shape, kind) in model.items():
+        chunks = []
+        for it in src[kind].write_items(shape, itemsize):
+            f = f"shard-{it.writer:05d}.safetensors"
+            begin = ends.get(it.writer, 0)
+            ends[it.writer] = begin + it.box.numel * itemsize
+            chunks.append(Chunk(it.box, f, begin, ends[it.writer]))
+        tensors[name] = TensorMeta(name, torch.bfloat16, shape, src[kind], tuple(chunks))
+    return CheckpointIndex(tensors=tensors, files={})
+
+
+def replication_sweep(runs: int, torch_ranks: int) -> list[dict]:
+    """One tensor stored as 2,048 FSDP chunks, loaded Replicate by N ranks."""
+    rows = []
+    model = {"norm": ((2048 * 4, 7168), "norm")}
+    index = index_of(model, {"norm": Layout.parse("dp=2048", "S(0)")})
+    for holders in (256, 512, 1024, 4096):
+        dst = {"norm": Layout.parse(f"tp={holders}", "R")}
+        wanted = wanted_at(model, dst)
+        s, plan = time_plan(index, wanted, holders, "exchange", runs)
+        per_rank, _, _ = torch_per_rank(index, model, dst, holders, torch_ranks)
+        q = quality(plan)
+        rows.append({"holders": holders, "plan_s": round(s, 4), "torch_per_rank_s":
+                     round(per_rank, 4), **q, "rss_mb": rss_mb()})  # fmt: skip
+    return rows
+
+
+def moe_1t(layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Kimi-K2-shaped: 384 routed experts (w1, w3: [E, 2048, H]; w2: [E, H, 2048]), MLA-ish
+    attention as dense projections, routers and norms (replicated when loaded)."""
+    H, E, I, V = 7168, 384, 2048, 163840  # noqa: E741
+    m: dict[str, tuple[tuple[int, ...], str]] = {"tok_embeddings.weight": ((V, H), "dense")}
+    for i in range(layers):
+        p = f"layers.{i}."
+        m[p + "attention.wq.weight"] = ((H, H), "dense")
+        m[p + "attention.wkv.weight"] = ((1024, H), "dense")
+        m[p + "attention.wo.weight"] = ((H, H), "dense")
+        m[p + "attention_norm.weight"] = ((H,), "norm")
+        m[p + "ffn_norm.weight"] = ((H,), "norm")
+        m[p + "moe.router.weight"] = ((E, H), "norm")
+        m[p + "moe.experts.w1"] = ((E, I, H), "experts")
+        m[p + "moe.experts.w3"] = ((E, I, H), "experts")
+        m[p + "moe.experts.w2"] = ((E, H, I), "experts")
+    m["norm.weight"] = ((H,), "norm")
+    m["output.weight"] = ((V, H), "dense")
+    return m
+
+
+def moe_case(layers: int, torch_ranks: int) -> dict:
+    src = {k: Layout.parse("dp=32,ep=64", p) for k, p in
+           (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))}  # fmt: skip
+    dst = {k: Layout.parse("ep=256,tp=16", p) for k, p in
+           (("dense", "R,S(0)"), ("norm", "R,R"), ("experts", "S(0),S(1)"))}  # fmt: skip
+    model = moe_1t(layers)
+    index = index_of(model, src)
+    params = sum(math.prod(s) for s, _ in model.values())
+    t0 = time.perf_counter()
+    wanted = wanted_at(model, dst)
+    targets_s = time.perf_counter() - t0
+    s, plan = time_plan(index, wanted, 4096, "exchange", 1)
+    per_rank, timed, _ = torch_per_rank(index, model, dst, 4096, torch_ranks)
+    return {
+        "bench": "plan", "case": "1T MoE, dp=32 x ep=64 (2,048) -> ep=256 x tp=16 (4,096)",
+        "layers": layers, "params": params,
+        "source_chunks": sum(len(t.chunks) for t in index.tensors.values()),
+        "targets_s": round(targets_s, 3), "plan_s": round(s, 3), "waves": len(plan.waves),
+        "reads": plan.reads_count(), **quality(plan), "rss_mb": rss_mb(),
+        "torch_ranks_timed": timed, "torch_per_rank_s": round(per_rank, 4),
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--torch-ranks", type=int, default=4, help="target ranks to time torch on")
     ap.add_argument("--layers", type=int, default=LAYERS, help="fewer for a smoke run")
     ap.add_argument("--runs", type=int, default=3, help="timed plans per case (median)")
+    ap.add_argument("--moe-layers", type=int, default=61, help="layers of the 1T MoE case")
     args = ap.parse_args()
+    for row in replication_sweep(args.runs, args.torch_ranks):
+        print(json.dumps({"bench": "plan", "case": "replication sweep", **row}), flush=True)
+    print(json.dumps(moe_case(args.moe_layers, args.torch_ranks)), flush=True)
 
     src = layouts(64, 8)
     model = llama405b(args.layers)
