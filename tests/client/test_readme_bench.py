@@ -32,7 +32,7 @@ def bench_commands() -> list[list[str]]:
 
 def smoke_flags(script: str, scratch: Path) -> list[str]:
     if script == "bench/plan.py":
-        return ["--layers", "2", "--torch-ranks", "1"]
+        return ["--layers", "2", "--torch-ranks", "1", "--moe-layers", "1", "--runs", "1"]
     if script == "bench/transfer.py":
         return ["--size", "small", "--runs", "1"]
     if script in ("bench/save_load.py", "bench/convert.py"):  # the variants: same code
