@@ -23,7 +23,9 @@ are not part of a checkpoint are never deleted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -86,12 +88,19 @@ def _collect_holder(
 
 
 def _collect_orphans(target: Target, keep: set[str], report: CollectReport, dry_run: bool) -> None:
-    """Clear the leftovers of runs that did not hold the lease at their end."""
+    """Clear the leftovers of runs that did not hold the lease at their end (and, on local
+    folders, lease records a dead process was renewing)."""
     current = replaced_files(target)
     for token in sorted(target.runs()):
         if token in keep or any(k.startswith(token) for k in keep):
             continue
         target.collect_run(token, None, current, report, owner=False, dry_run=dry_run)
+    debris = getattr(target, "lease_debris", None)
+    for path in debris() if debris is not None else ():
+        report.removed.append(path)
+        if not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 class TargetRun:

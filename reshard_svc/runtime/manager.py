@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
 #: what a local save interrupted by a dead job leaves beside a step folder
-_LEFTOVER = re.compile(r"\.step-(\d+)\.(?:staging|old)-[0-9a-f]{32}")
+_LEFTOVER = re.compile(r"\.step-(\d+)\.(?:(?:staging|old)-[0-9a-f]{32}|lease\.json\.\d+\.tmp)")
 
 
 class CheckpointManager:

@@ -44,6 +44,18 @@ __all__ = ["LocalStorage"]
 
 logger = logging.getLogger(__name__)
 _TOKEN = re.compile(r"[0-9a-f]{32}")
+_LEASE_TMP = re.compile(r"\.(\d+)\.tmp")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_dir(path: str) -> None:
@@ -405,6 +417,21 @@ class LocalStorage(FsspecStorage):
 
     def read_lease(self) -> LeaseState | None:
         return _read_lease(self.lease_path())
+
+    def lease_debris(self) -> list[str]:
+        """Temporary lease records (``<lease>.<pid>.tmp``) of renewals whose process died
+        between writing and renaming them."""
+        parent, prefix = os.path.split(self.lease_path())
+        try:
+            names = os.listdir(parent or ".")
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            m = _LEASE_TMP.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+            if m is not None and not _alive(int(m.group(1))):
+                out.append(os.path.join(parent, name))
+        return out
 
     def renew_lease(self, version: str, record: bytes) -> str:
         path = self.lease_path()

@@ -197,3 +197,22 @@ def test_gc_of_a_clean_folder_says_so(tmp_path):
     reshard_svc.save(sd(1.0), str(tmp_path / "ck"))
     out = run_cli("gc", str(tmp_path / "ck"))
     assert out.returncode == 0 and "nothing to collect" in out.stdout
+
+
+def test_a_lease_record_left_mid_renewal_by_a_dead_process_is_collected(tmp_path):
+    """A renewal writes ``<lease>.<pid>.tmp`` and renames it over the lease: killed in
+    between, the temporary file is the dead process's; gc removes it, a live one's stays."""
+    uri = str(tmp_path / "ck")
+    reshard_svc.save(sd(1.0), uri)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    lease = open_storage(uri).lease_path()
+    left = Path(f"{lease}.{int(dead.stdout)}.tmp")
+    live = Path(f"{lease}.{os.getpid()}.tmp")
+    left.write_bytes(b"{}")
+    live.write_bytes(b"{}")
+    out = run_cli("gc", uri, "--json")
+    assert out.returncode == 0, out.stderr
+    assert str(left) in json.loads(out.stdout)["removed"]
+    assert not left.exists() and live.exists()
+    assert read(uri) == 1.0
