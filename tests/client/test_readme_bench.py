@@ -35,7 +35,10 @@ def smoke_flags(script: str, scratch: Path) -> list[str]:
         return ["--layers", "2", "--torch-ranks", "1", "--moe-layers", "1", "--runs", "1"]
     if script == "bench/transfer.py":
         return ["--size", "small", "--runs", "1"]
-    if script in ("bench/save_load.py", "bench/convert.py"):  # the variants: same code
+    if script == "bench/save_load.py":  # the variants and the other loads: the same code
+        return ["--size", "small", "--runs", "1", "--variants", "defaults", "--ops", "save,tp",
+                "--dir", str(scratch)]  # fmt: skip
+    if script == "bench/convert.py":
         return ["--size", "small", "--runs", "1", "--variants", "defaults", "--dir", str(scratch)]
     if script == "bench/cli_convert.py":
         return ["--size", "small", "--runs", "1", "--dirs", str(scratch)]
