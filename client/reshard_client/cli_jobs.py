@@ -112,23 +112,27 @@ NoCopyConfigOpt = Annotated[
 ]
 
 
-def _job_options(
-    mesh: str | None, rules: str | None, rename: list[str] | None, **given: Any
-) -> dict[str, Any]:
-    """The conversion options of a job body from the shared flags (files read here: a
-    rules or rename YAML is this machine's); unset ones left out."""
+#: the flags ``submit`` and ``watch`` share: a conversion's options
+JOB_FLAGS = ("mesh", "rules", "rename", "format", "dtype", "keep_dtype", "workers", "nodes",
+             "workers_per_node", "strategy", "max_memory", "checksum", "overwrite", "only",
+             "strip_prefix", "split_layers", "dequantize", "no_copy_config")  # fmt: skip
+
+
+def _job_options(flags: dict[str, Any]) -> dict[str, Any]:
+    """The conversion options of a job body from a command's :data:`JOB_FLAGS` (files are
+    read here: a rules or rename YAML is this machine's); unset ones left out."""
     from reshard_svc.plan.names import load_renames
 
+    given = {k: flags[k] for k in JOB_FLAGS}
     try:
-        mesh_value, rules_value = _parse_mesh(mesh), _parse_rules(rules)
-        renames = load_renames(rename)
+        mesh_value, rules_value = _parse_mesh(given["mesh"]), _parse_rules(given["rules"])
+        renames = load_renames(given["rename"])
     except Exception as e:  # layout / rules / rename text errors
         raise _fail(e) from None
     given.update(mesh=mesh_value, rules=rules_value,
                  rename=[str(r) for r in renames] if renames else None,
-                 overwrite=given.get("overwrite") or None,
-                 split_layers=given.get("split_layers") or None,
-                 copy_config=False if given.pop("no_copy_config", False) else None)  # fmt: skip
+                 overwrite=given["overwrite"] or None, split_layers=given["split_layers"] or None,
+                 copy_config=False if given.pop("no_copy_config") else None)  # fmt: skip
     return {k: v for k, v in given.items() if v is not None and v != [] and v != ""}
 
 
@@ -165,13 +169,7 @@ def submit(
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
 ) -> None:
     """Submit a conversion job to reshard-server."""
-    options = _job_options(
-        mesh, rules, rename, format=format, dtype=dtype, keep_dtype=keep_dtype, workers=workers,
-        nodes=nodes, workers_per_node=workers_per_node, strategy=strategy,
-        max_memory=max_memory, checksum=checksum, overwrite=overwrite, only=only,
-        strip_prefix=strip_prefix, split_layers=split_layers, dequantize=dequantize,
-        no_copy_config=no_copy_config,
-    )  # fmt: skip
+    options = _job_options(locals())
     # The server sees only absolute paths: a relative one is this shell's, resolved here.
     spec = {"source": _absolute(src), "target": _absolute(dst), **options}
     _check_body("JobCreate", spec, "job")
@@ -344,13 +342,7 @@ def watch(
     """Have reshard-server convert each step committed under ROOT from now on (step-N,
     step_N, iter_N, global_step_N, checkpoint-N folders of reshard, torch DCP or
     torch_checkpointing): one job per step, never for a half-written one."""
-    options = _job_options(
-        mesh, rules, rename, format=format, dtype=dtype, keep_dtype=keep_dtype, workers=workers,
-        nodes=nodes, workers_per_node=workers_per_node, strategy=strategy,
-        max_memory=max_memory, checksum=checksum, overwrite=overwrite, only=only,
-        strip_prefix=strip_prefix, split_layers=split_layers, dequantize=dequantize,
-        no_copy_config=no_copy_config,
-    )  # fmt: skip
+    options = _job_options(locals())
     body = {"root": _absolute(root), "target": _absolute(to), "every": every,
             "existing": existing, **options}  # fmt: skip
     _check_body("WatchCreate", body, "watch")

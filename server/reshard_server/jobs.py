@@ -23,13 +23,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-import threading
 import time
 from typing import Any
 
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore
 from reshard_server.launcher import EngineStatus, Launch, Launcher
+from reshard_server.ticker import Ticker
 from reshard_svc.jobs.events import CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
 from reshard_svc.plan.spec import ConvertSpec
 
@@ -43,49 +43,31 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class JobManager:
-    """Owns the job lifecycle. Every method runs on the event loop thread."""
+class JobManager(Ticker):
+    """Owns the job lifecycle, on one long-lived thread (engine calls block; local workers
+    are its children and die with it, by ``PR_SET_PDEATHSIG``): it first re-attaches the
+    jobs an earlier process left, while the server already answers requests, then polls."""
+
+    thread_name = "reshard-job-manager"
 
     def __init__(self, settings: Settings, store: JobStore, launcher: Launcher) -> None:
+        super().__init__()
         self.settings = settings
         self.store = store
         self.launcher = launcher
         self._cancel_at: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.bytes_converted = 0
 
     def log_path(self, job_id: str) -> Any:
         return self.settings.log_dir() / f"{job_id}.log"
 
-    # ---- lifecycle
+    # ---- lifecycle (Ticker)
 
-    def start(self) -> None:
-        """Reconcile, then poll, on one long-lived thread (engine calls block; local workers
-        are its children and die with it, by ``PR_SET_PDEATHSIG``): the server answers
-        requests while it re-attaches the jobs an earlier process left."""
-        self._thread = threading.Thread(target=self._run, name="reshard-job-manager", daemon=True)
-        self._thread.start()
+    def interval(self) -> float:
+        return self.settings.poll_interval_s
 
-    def _run(self) -> None:
-        try:
-            self.reconcile()
-        except Exception:  # the loop retries every job on its next tick
-            logger.exception("re-attaching earlier jobs failed")
-        self._loop()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:  # keep the manager alive; the error is in the server log
-                logger.exception("job manager tick failed")
-            self._stop.wait(self.settings.poll_interval_s)
+    def first(self) -> None:
+        self.reconcile()
 
     def _at_engine(self) -> list[JobRow]:
         """Jobs handed to the engine and not concluded: running, or kept waiting there."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -32,6 +31,7 @@ from reshard_server.admission import Refused, check_paths
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, WatchRow
 from reshard_server.schemas import JobCreate, WatchCreate
+from reshard_server.ticker import Ticker
 from reshard_svc.storage import open_storage
 
 __all__ = ["COMMIT_MARKERS", "STEP_FOLDER", "Watcher", "check_watch", "committed_steps"]
@@ -99,32 +99,22 @@ def check_watch(spec: WatchCreate, settings: Settings) -> WatchCreate:
     return spec.model_copy(update={"root": root})
 
 
-class Watcher:
+class Watcher(Ticker):
     """Scans the active watches on one thread; submits through ``admit`` (the same checks
     as ``POST /v1/jobs``)."""
 
+    thread_name = "reshard-watcher"
+
     def __init__(self, settings: Settings, store: JobStore, admit: Admit) -> None:
+        super().__init__()
         self.settings, self.store, self.admit = settings, store, admit
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="reshard-watcher", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.tick()
-            self._stop.wait(self.settings.watch_interval_s)
+    def interval(self) -> float:
+        return self.settings.watch_interval_s
 
     def tick(self) -> None:
         for watch in self.store.watches("active"):
-            if self._stop.is_set():
+            if self.stopping:
                 return
             try:
                 self.scan(watch)
