@@ -14,6 +14,7 @@ tensor's box is wanted by all of its holders.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -87,9 +88,7 @@ def dry_run(
     if load:
         if spec.format != Format.NATIVE or not spec.mesh:
             raise UsageError("a load dry run needs --mesh (and no --format hf): the layouts loaded")
-        size = 1
-        for n in spec.mesh.values():
-            size *= n
+        size = math.prod(spec.mesh.values())
         if world is not None and world != size:
             raise UsageError(
                 f"a load on mesh {spec.mesh} runs on {size} ranks, not --world {world}"
