@@ -211,9 +211,9 @@ class Layout:
         """
         shape = _check_shape(global_shape)
         world = self.mesh.size
-        if load is None:
-            load = [0] * world
-        elif len(load) < world:
+        if load is None:  # a pure function of (layout, shape, itemsize): layers share it
+            return list(_write_items(self, shape, itemsize))
+        if len(load) < world:
             raise LayoutError(f"load has {len(load)} entries for a mesh of {world} ranks")
         holders: dict[Box, list[int]] = {}
         for rank, boxes in enumerate(_shards(self, shape)):
@@ -222,6 +222,11 @@ class Layout:
                     holders.setdefault(box, []).append(rank)
         writers = choose_writers(holders, shape, itemsize, load)
         return [WriteItem(b, tuple(holders[b]), writers[b]) for b in sorted(holders)]
+
+
+@lru_cache(maxsize=256)
+def _write_items(layout: Layout, shape: tuple[int, ...], itemsize: int) -> tuple[WriteItem, ...]:
+    return tuple(layout.write_items(shape, itemsize, [0] * layout.mesh.size))
 
 
 _LAYOUTS: dict[Any, Layout] = {}

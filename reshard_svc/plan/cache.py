@@ -47,6 +47,11 @@ class PlanCache(Generic[V]):
             self.put(key, hit)
         return hit
 
+    def values(self) -> list[V]:
+        """The kept values, oldest first."""
+        with self._lock:
+            return list(self._entries.values())
+
     def clear(self) -> None:
         """Drop every entry (and whatever buffers they keep)."""
         with self._lock:

@@ -86,13 +86,27 @@ class Read:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Piece:
     """Region ``box`` of read ``read`` (sent by that read's rank) lands in target
-    ``target`` on rank ``dest``: ``nbytes`` bytes."""
+    ``target`` on rank ``dest``: ``nbytes`` bytes.
+
+    ``via`` (a rank, or -1) relays a replicated box's stripe: the reader sends it once to
+    ``via`` (itself a holder), and ``via`` forwards it to the other holders in a second
+    round of the same wave, so no reader sends one copy per holder (:meth:`sender`).
+    """
 
     read: int
     box: Box
     target: int
     dest: int
     nbytes: int
+    via: int = -1
+
+    def sender(self, reader: int) -> int:
+        """The rank this piece comes from when ``reader`` read it: the reader, or its
+        ``via`` for the holders that are neither the reader nor the via."""
+        v = self.via
+        if v < 0 or v == reader or self.dest == v or self.dest == reader:
+            return reader
+        return v
 
 
 class Wave(Protocol):

@@ -28,6 +28,8 @@ The plan speaks :mod:`reshard_svc.plan.items` (:class:`Read`, :class:`Piece`,
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import logging
 import math
@@ -99,10 +101,11 @@ class BandWave:
         for inst, b in self.items:
             band = inst.template.bands[b]
             base = inst.read_base + inst.template.read_offsets[b]
+            to = inst.template.rank_of
             for i, r in enumerate(band.reads):
                 c = inst.chunks[r.chunk]
                 begin = c.begin + r.skip
-                out.append(Read(id=base + i, tensor=inst.tensor, box=r.box, reader=r.reader,
+                out.append(Read(id=base + i, tensor=inst.tensor, box=r.box, reader=to(r.reader),
                                 file=c.file, begin=begin, end=begin + r.nbytes,
                                 encoding=c.encoding))  # fmt: skip
         return tuple(out)
@@ -114,12 +117,27 @@ class BandWave:
             tpl = inst.template
             band = tpl.bands[b]
             for p in band.pieces:
-                reader = band.reads[p.read].reader
+                reader = tpl.rank_of(band.reads[p.read].reader)
                 if p.dest == EVERY_HOLDER:
                     if len(tpl.targets[p.target].holders) > 1:
                         return True
                 elif p.dest != reader:
                     return True
+        return False
+
+    @property
+    def relays(self) -> bool:
+        """Whether any piece is forwarded by a via (the wave then has a second round on
+        every rank)."""
+        for inst, b in self.items:
+            tpl = inst.template
+            band = tpl.bands[b]
+            for p in band.pieces:  # relabelling keeps reader != via
+                reader = tpl.rank_of(band.reads[p.read].reader)
+                if p.via >= 0 and p.via != band.reads[p.read].reader:
+                    others = len(tpl.targets[p.target].holders) - tpl.holds(p.target, reader)
+                    if others > 1:  # holders besides the reader and the via
+                        return True
         return False
 
     @property
@@ -150,21 +168,27 @@ class BandWave:
             band = tpl.bands[b]
             base = inst.read_base + tpl.read_offsets[b]
             t0 = inst.target_base
+            to = tpl.rank_of
             for p in band.pieces:
-                reader = band.reads[p.read].reader
+                reader = to(band.reads[p.read].reader)
+                via = to(p.via) if p.via >= 0 else reader
                 if p.dest != EVERY_HOLDER:
                     dests: Iterable[int] = (p.dest,)
                     if me is not None and me != reader and me != p.dest:
                         continue
-                elif me is None or me == reader:
+                elif me is None or via == reader and me == reader:
                     dests = tpl.targets[p.target].holders
+                elif me == reader:  # its own copy, and the via's
+                    dests = (me, via) if tpl.holds(p.target, me) else (via,)
+                elif me == via:  # its copy, and the holders it forwards to
+                    dests = [d for d in tpl.targets[p.target].holders if d != reader]
                 elif tpl.holds(p.target, me):
                     dests = (me,)
                 else:
                     continue
                 for d in dests:
                     piece = Piece(read=base + p.read, box=p.box, target=t0 + p.target, dest=d,
-                                  nbytes=p.nbytes)  # fmt: skip
+                                  nbytes=p.nbytes, via=via if p.via >= 0 else -1)  # fmt: skip
                     keyed.append(((reader, d, piece.read, p.box), piece))
         keyed.sort(key=lambda kp: kp[0])
         return tuple(p for _, p in keyed)
@@ -318,9 +342,23 @@ def choose_plan(
         raise UsageError(f"memory budget must be positive, got {budget} bytes")
     if strategy not in ("auto", "exchange", "direct"):
         raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
-    sigs = _signatures(index, wanted)
-    key = (world, budget, strategy, cost if strategy == "auto" else None, sigs)
-    return PLANS.get_or_build(key, lambda: _choose(index, sigs, world, budget, strategy, cost))
+    with _no_gc():
+        sigs = _signatures(index, wanted)
+        key = (world, budget, strategy, cost if strategy == "auto" else None, sigs)
+        return PLANS.get_or_build(key, lambda: _choose(index, sigs, world, budget, strategy, cost))
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The cyclic GC paused while a plan is built: a plan allocates millions of small,
+    acyclic objects, and the collections they trigger cost a quarter of planning."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _choose(
@@ -389,8 +427,12 @@ def _plan(
         if variants is None:
             variants = templates[tid] = {0: _template(tkey, limit, world, strategy)}
         n = seen[tid] = seen.get(tid, -1) + 1
-        v = n % min(variants[0].ties, MAX_VARIANTS)
-        tpl = variants.get(v) or variants.setdefault(v, _template(tkey, limit, world, strategy, v))
+        nv = min(variants[0].ties, MAX_VARIANTS)
+        v = n % nv
+        tpl = variants.get(v)
+        if tpl is None:
+            tpl = variants[0].rotated(v, nv) or _template(tkey, limit, world, strategy, v)
+            variants[v] = tpl
         instances.append(_Instance(name, tpl, index.tensors[name].chunks, t_base, r_base))
         t_base += len(tpl.targets)
         r_base += tpl.n_reads

@@ -112,6 +112,46 @@ class Template:
     total: int  # bytes delivered
     #: per target: its holders as a set when it has more than one (else None)
     holder_sets: tuple[frozenset[int] | None, ...] = ()
+    #: a rotated variant's relabelling of the shared bands' readers and vias (rank ->
+    #: rank), or None: the bands as planned (:meth:`rank_of`)
+    to: tuple[int, ...] | None = None
+
+    def rank_of(self, rank: int) -> int:
+        """A reader or via of the bands, as this variant has it."""
+        return self.to[rank] if self.to is not None and rank >= 0 else rank
+
+    def rotated(self, variant: int, variants: int) -> Template | None:
+        """This plan with each replicated holder set's ranks shifted by ``variant`` of
+        ``variants`` equal steps (readers and vias move with them), or None when a shift
+        would move a box's only holder (holder sets that overlap or share a rank with a
+        single-holder box): another tensor's equally good plan, without planning it."""
+        perm = np.arange(len(self.read_bytes), dtype=np.int64)
+        seen: set[frozenset[int]] = set()
+        multi: set[int] = set()
+        singles: set[int] = set()
+        for held, hs in zip(self.targets, self.holder_sets):
+            if hs is None:
+                singles.add(held.holders[0])
+            elif hs not in seen:
+                if not multi.isdisjoint(hs):
+                    return None
+                seen.add(hs)
+                multi |= hs
+                ranks = np.asarray(sorted(hs), dtype=np.int64)
+                perm[ranks] = np.roll(ranks, -(variant * len(ranks) // variants))
+        if not multi or not multi.isdisjoint(singles):
+            return None  # ties among single holders: their readers rotate by planning
+
+        def moved(a: np.ndarray) -> np.ndarray:
+            out = np.empty_like(a)
+            out[perm] = a
+            return out
+
+        bands = tuple(TBand(b.reads, b.pieces, moved(b.use)) for b in self.bands)
+        return Template(self.targets, bands, self.ties, moved(self.read_bytes),
+                        moved(self.sent_bytes), moved(self.recv_bytes), self.read_offsets,
+                        self.n_reads, self.moved, self.total, self.holder_sets,
+                        tuple(perm.tolist()))  # fmt: skip
 
     def holds(self, target: int, rank: int) -> bool:
         """Whether ``rank`` holds target ``target`` (of this template)."""
@@ -143,9 +183,10 @@ def build_template(
             key = piece.offsets[0] // step if piece.ndim else 0
             by_band.setdefault(key, []).append((o.src, piece, o.dst))
     load = np.zeros(world, dtype=np.int64)  # bytes each rank reads, within this tensor
+    relay = _Relay(variant)
     bands, ties = [], 1
     for key in sorted(by_band):
-        band, tied = _plan_band(by_band[key], chunks, targets, itemsize, strategy, load, variant)
+        band, tied = _plan_band(by_band[key], chunks, targets, itemsize, strategy, load, relay)
         bands.append(band)
         ties = max(ties, tied)
     return _summarize(tuple(targets), tuple(bands), ties, world)
@@ -158,7 +199,7 @@ def _plan_band(
     itemsize: int,
     strategy: str,
     load: np.ndarray,
-    variant: int,
+    relay: _Relay,
 ) -> tuple[TBand, int]:
     """The reads and parts of one row band (``pieces``: chunk, region, target), and the
     most equally good readers any of its reads had."""
@@ -169,7 +210,8 @@ def _plan_band(
     parts: list[Piece] = []
     use = np.zeros(len(load), dtype=np.int64)
     ties = 1
-    groups: dict[int, tuple[np.ndarray, frozenset[int]]] = {}  # target -> its holders, once
+    groups, variant = relay.groups, relay.variant
+    landed: dict[int, int] = {}  # replicated target -> bytes each holder lands in this band
     for ci in sorted(per_chunk):
         box, encoding, length = chunks[ci]
         for read_box, rparts in _read_boxes(box, encoding, per_chunk[ci], strategy, targets):
@@ -191,11 +233,94 @@ def _plan_band(
                     if dests[0] != reader:
                         use[reader] += n  # packed send buffer
                     continue
-                parts.append(Piece(read=ri, box=inter, target=t, dest=EVERY_HOLDER, nbytes=n))
-                ranks, members = _group(groups, t, dests)
-                use[ranks] += n
-                use[reader] += n * (len(dests) - (reader in members))
+                members = _group(groups, t, dests)[1]
+                others = len(dests) - (reader in members)  # holders but the reader
+                landed[t] = landed.get(t, 0) + n
+                for stripe, sn, via in relay.stripes(inter, n, t, targets, itemsize):
+                    parts.append(Piece(read=ri, box=stripe, target=t, dest=EVERY_HOLDER,
+                                       nbytes=sn, via=via))  # fmt: skip
+                    if via == reader:
+                        use[reader] += sn * others  # sent to every other holder
+                    else:  # sent once to the via, which forwards it to the rest
+                        use[reader] += sn
+                        use[via] += sn * (others - 1)
+    for t, n in landed.items():
+        use[groups[t][0]] += n  # receive or target buffers on every holder
     return TBand(tuple(reads), tuple(parts), use), ties
+
+
+class _Relay:
+    """Who forwards each stripe of a replicated box (one template's state): a box held by
+    ``n`` ranks is cut by rows into ``n`` stripes of about ``1/n`` of its bytes, in the
+    order its parts are read, and holder ``i`` (counted from ``variant``) forwards stripe
+    ``i``: so each sends about one copy of the box in all, an all-gather after the reads,
+    not one reader sending ``n`` copies."""
+
+    def __init__(self, variant: int) -> None:
+        self.variant = variant
+        #: target -> its holders (sorted array, set), built once
+        self.groups: dict[int, tuple[np.ndarray, frozenset[int]]] = {}
+        self.done: dict[int, int] = {}  # target -> its bytes given a via so far
+        self.shares: dict[int, tuple[list[int], float]] = {}  # target -> holders, 1/n bytes
+
+    def stripes(
+        self, box: Box, nbytes: int, t: int, targets: Sequence[Held], itemsize: int
+    ) -> list[tuple[Box, int, int]]:
+        """``box`` (``nbytes``, a part of replicated target ``t``) as (stripe, bytes, via)."""
+        got = self.shares.get(t)
+        if got is None:
+            ranks = self.groups[t][0].tolist()
+            got = self.shares[t] = (ranks, max(1, targets[t].box.numel * itemsize) / len(ranks))
+        ranks, share = got
+        n, turn = len(ranks), self.variant
+        at = self.done.get(t, 0)
+        self.done[t] = at + nbytes
+
+        def via(offset: float) -> int:
+            return ranks[(min(n - 1, int(offset // share)) + turn) % n]
+
+        first, last = int(at // share), int((at + max(0, nbytes - 1)) // share)
+        if first == last or box.ndim == 0:
+            return [(box, nbytes, via(at + nbytes / 2))]
+        # cut where the holders' stripes end, in units of dim 1 (rows of a 1-D box): a
+        # stripe is a few boxes (the end of a row, whole rows, the start of a row)
+        rows = box.sizes[0]
+        cols = box.sizes[1] if box.ndim > 1 else 1
+        units = rows * cols
+        unit = nbytes / units
+        cuts = sorted({0, units, *(min(units, max(0, round((j * share - at) / unit)))
+                                   for j in range(first + 1, last + 1))})  # fmt: skip
+        out = []
+        for a, b in zip(cuts, cuts[1:]):
+            v = via(at + (a + b) / 2 * unit)
+            for piece in _unit_boxes(box, cols, a, b):
+                out.append((piece, piece.numel * nbytes // box.numel, v))
+        return out
+
+
+def _unit_boxes(box: Box, cols: int, a: int, b: int) -> list[Box]:
+    """Units ``[a, b)`` of ``box`` (row-major over dims 0 and 1) as at most three boxes."""
+    lo, o1 = box.offsets[0], box.offsets[1:2]
+    rest_o, rest_s = box.offsets[2:], box.sizes[2:]
+
+    def rows_box(r0: int, r1: int, c0: int, c1: int) -> Box:
+        if box.ndim == 1:
+            return Box.trusted((lo + r0,), (r1 - r0,))
+        return Box.trusted((lo + r0, o1[0] + c0, *rest_o), (r1 - r0, c1 - c0, *rest_s))
+
+    ra, ca = divmod(a, cols)
+    rb, cb = divmod(b, cols)
+    if ra == rb:
+        return [rows_box(ra, ra + 1, ca, cb)]
+    out = []
+    if ca:
+        out.append(rows_box(ra, ra + 1, ca, cols))
+        ra += 1
+    if rb > ra:
+        out.append(rows_box(ra, rb, 0, cols))
+    if cb:
+        out.append(rows_box(rb, rb + 1, 0, cb))
+    return out
 
 
 def _group(
@@ -238,7 +363,7 @@ def _summarize(
     sent_bytes = np.zeros(world, dtype=np.int64)
     recv_bytes = np.zeros(world, dtype=np.int64)
     sets = tuple(frozenset(t.holders) if len(t.holders) > 1 else None for t in targets)
-    arrays: dict[int, np.ndarray] = {}
+    landed: dict[int, int] = {}  # replicated target -> bytes every holder lands
     offsets = []
     moved = total = n_reads = 0
     for band in bands:
@@ -250,15 +375,17 @@ def _summarize(
             src = band.reads[p.read].reader
             if p.dest == EVERY_HOLDER:
                 holders = sets[p.target]
-                copies = len(holders) - (src in holders)  # type: ignore[arg-type,operator]
+                inside = src in holders  # type: ignore[operator]
+                copies = len(holders) - inside  # type: ignore[arg-type]
                 total += p.nbytes * len(holders)  # type: ignore[arg-type]
                 moved += p.nbytes * copies
-                sent_bytes[src] += p.nbytes * copies
-                ranks = arrays.get(p.target)
-                if ranks is None:
-                    ranks = arrays[p.target] = np.asarray(targets[p.target].holders)
-                recv_bytes[ranks] += p.nbytes
-                if src in holders:  # type: ignore[operator]
+                if p.via < 0 or p.via == src:
+                    sent_bytes[src] += p.nbytes * copies
+                else:  # once to the via, which forwards it to the other holders
+                    sent_bytes[src] += p.nbytes
+                    sent_bytes[p.via] += p.nbytes * (copies - 1)
+                landed[p.target] = landed.get(p.target, 0) + p.nbytes
+                if inside:
                     recv_bytes[src] -= p.nbytes
                 continue
             total += p.nbytes
@@ -266,6 +393,8 @@ def _summarize(
                 moved += p.nbytes
                 sent_bytes[src] += p.nbytes
                 recv_bytes[p.dest] += p.nbytes
+    for t, n in landed.items():
+        recv_bytes[np.asarray(targets[t].holders)] += n
     return Template(targets, bands, ties, read_bytes, sent_bytes, recv_bytes, tuple(offsets),
                     n_reads, moved, total, sets)  # fmt: skip
 

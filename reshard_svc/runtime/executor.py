@@ -112,9 +112,13 @@ class _MyWave:
     readers: dict[int, Read]  # read id -> read
     mine: list[Read]  # the reads this rank performs
     pieces_of: dict[int, list[Piece]]  # read id -> its pieces, for this rank's reads
-    crossing: list[Piece]
+    crossing: list[Piece]  # first round: from their readers
     #: whether any piece of the wave crosses between ranks (then every rank exchanges)
     exchanges: bool
+    #: second round: replicated stripes forwarded by their vias (:attr:`Piece.via`)
+    relayed: list[Piece]
+    #: whether any piece of the wave is forwarded (then every rank takes a second round)
+    relays: bool
 
     @classmethod
     def of(cls, wave: Wave, me: int) -> _MyWave:
@@ -128,17 +132,25 @@ class _MyWave:
         else:
             every = wave.pieces
             exchanges = any(readers[p.read].reader != p.dest for p in every)
-            pieces = [p for p in every if me in (p.dest, readers[p.read].reader)]
+            pieces = [p for p in every if me in (p.dest, p.sender(readers[p.read].reader))]
         pieces_of: dict[int, list[Piece]] = {}
+        crossing, relayed = [], []
         for p in pieces:
-            if readers[p.read].reader == me:
+            reader = readers[p.read].reader
+            if reader == me:
                 pieces_of.setdefault(p.read, []).append(p)
-        crossing = [p for p in pieces if readers[p.read].reader != p.dest]
+            if p.sender(reader) != reader:
+                relayed.append(p)
+            elif reader != p.dest:
+                crossing.append(p)
+        # segments go in (sender, dest) order; the plan's order is (reader, dest, ...)
+        relayed.sort(key=lambda p: (p.via, p.dest))
+        relays = bool(getattr(wave, "relays", False))
         mine = [r for r in reads if r.reader == me]
-        return cls(pieces, readers, mine, pieces_of, crossing, exchanges)
+        return cls(pieces, readers, mine, pieces_of, crossing, exchanges, relayed, relays)
 
     def sender(self, p: Piece) -> int:
-        return self.readers[p.read].reader
+        return p.sender(self.readers[p.read].reader)
 
     def piece(self, bands: Mapping[int, torch.Tensor], p: Piece) -> torch.Tensor:
         """Piece ``p`` inside the band this rank read for it."""
@@ -160,6 +172,8 @@ class _Step:
         self.recv_splits = [0] * comm.world
         self.sent: dict[str, int] = {}  # piece key -> CRC32C, when verifying
         self.got: dict[str, int] = {}
+        #: stripes this rank forwards: (read, box) -> as received in the first round
+        self.forward: dict[tuple[int, Any], torch.Tensor] = {}
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         if self.arena is not None:
@@ -201,33 +215,77 @@ class _Step:
         self.send = torch.empty(0, dtype=torch.uint8)
 
     def land(self, dest: Destination, verify: bool) -> None:
-        """Every piece of the wave for this rank into ``dest``: its own reads' pieces first
-        (unless read in place), then what it received, in plan order."""
+        """The first round's pieces for this rank into ``dest``: its own reads' pieces
+        first (unless read in place), then what it received, in plan order; then, when
+        the wave relays, the stripes it forwards packed for the second round."""
         w, me = self.w, self.comm.rank
-
-        def land(p: Piece, data: torch.Tensor) -> None:
-            if not dest.take(p, data):
-                dest.view(p).copy_(data)
-
         for p in w.pieces:
-            if p.dest == me and w.sender(p) == me:
+            if p.dest == me and w.readers[p.read].reader == me:
                 data = w.piece(self.bands, p)
                 if verify:
                     self.sent[_key(p)] = _crc(data)
                 if p not in self.in_place:
-                    land(p, data)
+                    _land(dest, p, data)
         off = 0
         for p in w.crossing:
             if p.dest == me:
-                dtype = self.source.dtype(w.readers[p.read].tensor)
-                land(p, self.recv[off : off + p.nbytes].view(dtype).view(p.box.sizes))
+                data = self._typed(self.recv[off : off + p.nbytes], p)
+                if p.via == me:
+                    self.forward[(p.read, p.box)] = data
+                _land(dest, p, data)
                 off += aligned(p.nbytes)
         self.bands.clear()
+        if w.relays and self.comm.world > 1:
+            self._pack_relayed(verify)
+
+    def _typed(self, raw: torch.Tensor, p: Piece) -> torch.Tensor:
+        return raw.view(self.source.dtype(self.w.readers[p.read].tensor)).view(p.box.sizes)
+
+    def _pack_relayed(self, verify: bool) -> None:
+        w, me = self.w, self.comm.rank
+        self.send_splits = [0] * self.comm.world
+        self.recv_splits = [0] * self.comm.world
+        for p in w.relayed:
+            if p.via == me:
+                self.send_splits[p.dest] += aligned(p.nbytes)
+            else:
+                self.recv_splits[p.via] += aligned(p.nbytes)
+        self.send = self._buffer(sum(self.send_splits))
+        relay_recv = self._buffer(sum(self.recv_splits))
+        off = 0
+        for p in w.relayed:
+            if p.via != me:
+                continue
+            slot = self.send[off : off + p.nbytes]
+            self._typed(slot, p).copy_(self.forward[(p.read, p.box)])
+            if verify:
+                self.sent[_key(p)] = _crc(slot)
+            off += aligned(p.nbytes)
+        self.forward.clear()
+        self.recv = relay_recv
+
+    def land_relayed(self, dest: Destination) -> None:
+        """The second round's stripes for this rank (after :meth:`exchange` again)."""
+        if not self.w.relays or self.comm.world == 1:
+            return
+        off = 0
+        me = self.comm.rank
+        for p in self.w.relayed:
+            if p.dest == me:
+                _land(dest, p, self._typed(self.recv[off : off + p.nbytes], p))
+                off += aligned(p.nbytes)
+
+    def finish(self, dest: Destination, verify: bool) -> None:
         self.recv = torch.empty(0, dtype=torch.uint8)
         if verify:
-            for p in w.pieces:
-                if p.dest == me:
+            for p in self.w.pieces:
+                if p.dest == self.comm.rank:
                     self.got[_key(p)] = _crc(dest.view(p))
+
+
+def _land(dest: Destination, p: Piece, data: torch.Tensor) -> None:
+    if not dest.take(p, data):
+        dest.view(p).copy_(data)
 
 
 def _key(p: Piece) -> str:
@@ -306,8 +364,16 @@ def execute(
         comm.run_everywhere(f"{what}: reading", read_and_pack)
         step.exchange()
 
+        if w.relays:  # first round landed and the stripes to forward packed, everywhere
+            comm.run_everywhere(f"{what}: relaying", lambda step=step: step.land(dest, verify))
+            step.exchange()  # the second round
+
         def land(step: _Step = step) -> dict[str, Any]:
-            step.land(dest, verify)
+            if step.w.relays:
+                step.land_relayed(dest)
+            else:
+                step.land(dest, verify)
+            step.finish(dest, verify)
             return {"sent": step.sent, "got": step.got} if verify else {}
 
         _, reports = comm.run_everywhere(f"{what}: landing", land)

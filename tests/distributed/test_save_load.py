@@ -59,6 +59,14 @@ def test_save_2d_mesh_load_on_two_ranks(tmp_path):
     assert all(r["bad"] == [] for r in res2.values())
 
 
+def test_replicated_targets_fan_out_through_their_holders(tmp_path):
+    """Replicated boxes are read once and forwarded by the holders in a second round of
+    each wave (rotated per tensor, wide rows cut along dim 1): bitwise on every rank."""
+    res = run(workloads.replicated_fan_out, 4, str(tmp_path / "ck"))
+    assert all(r["bad"] == [] for r in res.values()), res
+    assert all(r["relayed"] for r in res.values())
+
+
 def test_legacy_sharded_tensor_round_trip(tmp_path):
     res = run(workloads.sharded_tensor_round_trip, 2, str(tmp_path / "st"))
     assert all(r == {"dtensor_ok": True, "sharded_ok": True} for r in res.values()), res

@@ -327,3 +327,33 @@ def integrity_cases(cases: dict, tmp: str) -> dict:
         except Exception as e:
             out[f"{case}/convert"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def replicated_fan_out(path: str) -> dict:
+    """Five same-shaped tensors (one plan template, rotated per tensor) and one with rows
+    wider than a holder's share, saved FSDP-sharded on a 4-rank mesh and loaded
+    ``Replicate`` on a 2 x 2 mesh with ``exchange``: the copies go out through the
+    holders (a second round per wave). Returns the mismatching names and whether any wave
+    relayed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import reshard_svc
+    from reshard_svc.plan import read as read_plan
+
+    shapes = {f"w{i}": (61, 24) for i in range(5)} | {"wide": (6, 1000)}
+    full = {}
+    for name, shape in shapes.items():
+        g = torch.Generator().manual_seed(sum(map(ord, name)))
+        full[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
+    flat = init_device_mesh("cpu", (4,))
+    reshard_svc.save({n: distribute_tensor(t, flat, [Shard(0)]) for n, t in full.items()}, path)
+    mesh = init_device_mesh("cpu", (2, 2))
+    target = {n: distribute_tensor(torch.zeros_like(t), mesh, [Replicate(), Replicate()])
+              for n, t in full.items()}  # fmt: skip
+    read_plan.PLANS.clear()
+    reshard_svc.load(target, path, max_memory=4096, strategy="exchange")
+    relayed = any(w.relays for p in read_plan.PLANS.values() for w in p.waves)
+    bad = [n for n, t in target.items()
+           if not torch.equal(t.to_local().view(torch.int16), full[n].view(torch.int16))]  # fmt: skip
+    return {"bad": bad, "relayed": relayed}

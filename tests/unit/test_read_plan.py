@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -154,8 +155,9 @@ def test_waves_stay_within_the_budget(problem):
             use[r.reader] += r.nbytes
         for p in w.pieces:
             use[p.dest] += p.nbytes
-            if p.dest != reads[p.read].reader:
-                use[reads[p.read].reader] += p.nbytes
+            sender = p.sender(reads[p.read].reader)  # the reader, or the via relaying it
+            if p.dest != sender:
+                use[sender] += p.nbytes
         bands = {(r.tensor, r.box.offsets[0] // step if r.box.ndim else 0) for r in w.reads}
         assert max(use) <= budget or len(bands) == 1, (max(use), budget, bands)
 
@@ -181,6 +183,51 @@ def test_a_shared_template_plans_each_tensor_as_if_alone(problem):
         alone = plan_reads(CheckpointIndex(tensors={name: meta}, files={}), {name: wanted[name]},
                            plan.world, budget, strategy=strategy)  # fmt: skip
         assert shape_of(plan, name) == shape_of(alone, name), name
+
+
+@EXAMPLES
+@given(problems())
+def test_each_rank_sends_only_what_it_has_and_sees_its_own_pieces(problem):
+    """Replicated stripes relayed in a wave's second round: a reader sends bytes it read;
+    a via forwards only a stripe it received in the first round; and each rank's own view
+    of the wave (``pieces_for``) is exactly the pieces it sends or lands."""
+    _, plan, _ = plan_for(*problem)
+    for w in plan.waves:
+        reads = {r.id: r for r in w.reads}
+        every = w.pieces
+        first = {(p.read, p.box, p.dest) for p in every if p.sender(reads[p.read].reader)
+                 == reads[p.read].reader}  # fmt: skip
+        for p in every:
+            reader = reads[p.read].reader
+            sender = p.sender(reader)
+            holders = plan.targets[p.target].holders
+            if sender != reader:  # relayed: the via is a holder that got it first
+                assert p.via in holders and (p.read, p.box, p.via) in first
+                assert p.dest not in (p.via, reader)
+                assert w.relays
+        for me in range(plan.world):
+            mine = set(w.pieces_for(me))
+            assert mine == {p for p in every if me in (p.dest, p.sender(reads[p.read].reader))}
+
+
+@pytest.mark.parametrize("shape", [(64 * 6, 40), (64, 4096)], ids=["narrow", "wide-rows"])
+def test_a_replicated_tensor_is_read_once_and_every_holder_sends_about_one_copy(shape):
+    """One tensor stored as 64 FSDP chunks, loaded Replicate on 48 ranks: each stored
+    byte read once, readers striped over the holders, and the copies fanned out through
+    the holders (a second round) so no rank sends much more than one copy; rows wider
+    than a holder's share are cut along dim 1."""
+    index = CheckpointIndex(tensors={"w": stored("w", shape, Layout.parse("dp=64", "S(0)"))},
+                            files={})  # fmt: skip
+    dst = Layout.parse("tp=48", "R")
+    wanted = {"w": [Held(box=it.box, holders=it.holders) for it in dst.write_items(shape, ISZ)]}
+    plan = plan_reads(index, wanted, 48, 1 << 30, strategy="exchange")
+    total = math.prod(shape) * ISZ
+    assert sum(plan.bytes_read()) == total
+    sent = plan.bytes_sent()
+    assert sum(plan.bytes_received()) == total * 47
+    assert max(sent) <= 1.10 * (sum(sent) / len(sent)), sent
+    assert max(sent) < 1.10 * total
+    assert any(w.relays for w in plan.waves)
 
 
 def test_tied_reads_spread_over_tensors_that_share_a_template():
