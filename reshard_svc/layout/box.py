@@ -164,6 +164,13 @@ def overlaps(source: Sequence[Box], target: Sequence[Box]) -> list[Overlap]:
     s_ids = [i for i, b in enumerate(source) if not b.is_empty]
     t_ids = [j for j, b in enumerate(target) if not b.is_empty]
     out: list[Overlap] = []
+    if len(t_ids) == 1:  # one target box (a replicated tensor): no join to build
+        j = t_ids[0]
+        for i in s_ids:
+            box = source[i].intersect(target[j])
+            if box is not None:
+                out.append(Overlap(i, j, box))
+        return out  # already in (dst, src) order
     _join(source, target, s_ids, t_ids, 0, ndim, out)
     out.sort(key=lambda o: (o.dst, o.src))
     return out

@@ -25,6 +25,7 @@ one copy. Each rank expands only its own pieces (:meth:`Template.holds`).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -208,7 +209,7 @@ def _plan_band(
         per_chunk.setdefault(ci, []).append((piece, t))
     reads: list[ChunkRead] = []
     parts: list[Piece] = []
-    use = np.zeros(len(load), dtype=np.int64)
+    acc: dict[int, int] = {}  # rank -> bytes in flight (summed into ``use`` at the end)
     ties = 1
     groups, variant = relay.groups, relay.variant
     landed: dict[int, int] = {}  # replicated target -> bytes each holder lands in this band
@@ -219,19 +220,20 @@ def _plan_band(
                 skip, nb = 0, length
             else:
                 skip, nb = _byte_offset(box, read_box, itemsize), read_box.numel * itemsize
-            reader, tied = _reader(rparts, itemsize, load, variant, groups)
+            reader, tied = _reader(rparts, itemsize, load, variant, groups, relay.heaps)
             ties = max(ties, tied)
             load[reader] += nb
-            use[reader] += nb
+            sends = nb  # the reader's read buffer, then its send buffers
             ri = len(reads)
             reads.append(ChunkRead(chunk=ci, skip=skip, nbytes=nb, box=read_box, reader=reader))
             for inter, t, dests in rparts:
                 n = inter.numel * itemsize
                 if len(dests) == 1:
-                    parts.append(Piece(read=ri, box=inter, target=t, dest=dests[0], nbytes=n))
-                    use[dests[0]] += n  # receive buffer or target buffer
-                    if dests[0] != reader:
-                        use[reader] += n  # packed send buffer
+                    d = dests[0]
+                    parts.append(Piece(read=ri, box=inter, target=t, dest=d, nbytes=n))
+                    acc[d] = acc.get(d, 0) + n  # receive buffer or target buffer
+                    if d != reader:
+                        sends += n  # packed send buffer
                     continue
                 members = _group(groups, t, dests)[1]
                 others = len(dests) - (reader in members)  # holders but the reader
@@ -240,10 +242,16 @@ def _plan_band(
                     parts.append(Piece(read=ri, box=stripe, target=t, dest=EVERY_HOLDER,
                                        nbytes=sn, via=via))  # fmt: skip
                     if via == reader:
-                        use[reader] += sn * others  # sent to every other holder
+                        sends += sn * others  # sent to every other holder
                     else:  # sent once to the via, which forwards it to the rest
-                        use[reader] += sn
-                        use[via] += sn * (others - 1)
+                        sends += sn
+                        acc[via] = acc.get(via, 0) + sn * (others - 1)
+            acc[reader] = acc.get(reader, 0) + sends
+    use = np.zeros(len(load), dtype=np.int64)
+    if acc:
+        use[np.fromiter(acc, dtype=np.int64, count=len(acc))] = np.fromiter(
+            acc.values(), dtype=np.int64, count=len(acc)
+        )
     for t, n in landed.items():
         use[groups[t][0]] += n  # receive or target buffers on every holder
     return TBand(tuple(reads), tuple(parts), use), ties
@@ -260,6 +268,8 @@ class _Relay:
         self.variant = variant
         #: target -> its holders (sorted array, set), built once
         self.groups: dict[int, tuple[np.ndarray, frozenset[int]]] = {}
+        #: target -> a heap of its holders' (read load, rotated rank, rank) for readers
+        self.heaps: dict[int, list[tuple[int, int, int]]] = {}
         self.done: dict[int, int] = {}  # target -> its bytes given a via so far
         self.shares: dict[int, tuple[list[int], float]] = {}  # target -> holders, 1/n bytes
 
@@ -338,16 +348,26 @@ def _reader(
     load: np.ndarray,
     turn: int,
     groups: dict[int, tuple[np.ndarray, frozenset[int]]],
+    heaps: dict[int, list[tuple[int, int, int]]],
 ) -> tuple[int, int]:
     """The rank that does one read (:func:`least_loaded`: the holder receiving most of it,
     then the least loaded, rotated by ``turn``) and how many were equally good."""
     _, t, dests = rparts[0]
     if len(dests) > 1 and all(d is dests or d == dests for _, _, d in rparts[1:]):
-        # every holder receives all of it: the least loaded holders are the tied ones
-        cand = _group(groups, t, dests)[0]
-        loads = load[cand]
-        tied = cand[loads == loads.min()]  # in rank order, as least_loaded's
-        return int(tied[turn % len(tied)]), len(dests)
+        # every holder receives all of it: the least loaded holder, from a heap of the
+        # group's (load, rank rotated by turn), its stale entries refreshed as they surface
+        heap = heaps.get(t)
+        if heap is None:
+            cand = _group(groups, t, dests)[0].tolist()
+            n = len(cand)
+            heap = heaps[t] = [(int(load[r]), (i - turn) % n, r) for i, r in enumerate(cand)]
+            heapq.heapify(heap)
+        while True:
+            had, key, r = heap[0]
+            now = int(load[r])
+            if now == had:
+                return r, len(dests)
+            heapq.heapreplace(heap, (now, key, r))
     recv: dict[int, int] = {}
     for inter, _, ds in rparts:
         for h in ds:
