@@ -281,6 +281,11 @@ class ReadPlan:
     def reads_count(self) -> int:
         return sum(i.template.n_reads for i in self.instances)
 
+    def deliveries(self) -> int:
+        """Pieces as they land, a replicated piece once per holder: about the reads a
+        ``direct`` plan of the same targets would make."""
+        return sum(i.template.deliveries for i in self.instances)
+
     def bytes_exchanged(self) -> int:
         return sum(i.template.moved for i in self.instances)
 
@@ -376,6 +381,12 @@ def _choose(
     else:
         model = cost if cost is not None else StorageCost(5e-5, 3e9)
         exchange = _plan(index, sigs, tids, world, budget, "exchange")
+        # direct reads every holder's own copy: at least the bytes delivered; a plan of
+        # more reads than MAX_DIRECT_READS is not worth planning (replicas on thousands
+        # of ranks: exchange reads once and fans out)
+        floor = exchange.bytes_total / model.bandwidth / max(1, world)
+        if exchange.deliveries() > MAX_DIRECT_READS or floor >= model.seconds(exchange):
+            return exchange
         direct = _plan(index, sigs, tids, world, budget, "direct")
         if not model.local and sum(direct.bytes_read()) > sum(exchange.bytes_read()):
             plan = exchange
@@ -439,6 +450,10 @@ def _plan(
     return ReadPlan(_Targets(instances), _waves(instances, world, budget), world, strategy,
                     tuple(instances))  # fmt: skip
 
+
+#: ``auto`` plans ``direct`` only when it would make at most this many reads (about the
+#: pieces as landed, a replicated piece once per holder)
+MAX_DIRECT_READS = 5_000_000
 
 #: Templates one shape is planned in at most, its reads rotated over tied readers (tensors
 #: sharing it take them in turn): enough to spread replicated tensors' reads, bounded so a

@@ -116,6 +116,8 @@ class Template:
     #: a rotated variant's relabelling of the shared bands' readers and vias (rank ->
     #: rank), or None: the bands as planned (:meth:`rank_of`)
     to: tuple[int, ...] | None = None
+    #: pieces as landed: a replicated piece once per holder (what ``direct`` would read)
+    deliveries: int = 0
 
     def rank_of(self, rank: int) -> int:
         """A reader or via of the bands, as this variant has it."""
@@ -152,7 +154,7 @@ class Template:
         return Template(self.targets, bands, self.ties, moved(self.read_bytes),
                         moved(self.sent_bytes), moved(self.recv_bytes), self.read_offsets,
                         self.n_reads, self.moved, self.total, self.holder_sets,
-                        tuple(perm.tolist()))  # fmt: skip
+                        tuple(perm.tolist()), self.deliveries)  # fmt: skip
 
     def holds(self, target: int, rank: int) -> bool:
         """Whether ``rank`` holds target ``target`` (of this template)."""
@@ -385,7 +387,7 @@ def _summarize(
     sets = tuple(frozenset(t.holders) if len(t.holders) > 1 else None for t in targets)
     landed: dict[int, int] = {}  # replicated target -> bytes every holder lands
     offsets = []
-    moved = total = n_reads = 0
+    moved = total = n_reads = deliveries = 0
     for band in bands:
         offsets.append(n_reads)
         n_reads += len(band.reads)
@@ -405,10 +407,12 @@ def _summarize(
                     sent_bytes[src] += p.nbytes
                     sent_bytes[p.via] += p.nbytes * (copies - 1)
                 landed[p.target] = landed.get(p.target, 0) + p.nbytes
+                deliveries += len(holders)  # type: ignore[arg-type]
                 if inside:
                     recv_bytes[src] -= p.nbytes
                 continue
             total += p.nbytes
+            deliveries += 1
             if p.dest != src:
                 moved += p.nbytes
                 sent_bytes[src] += p.nbytes
@@ -416,7 +420,7 @@ def _summarize(
     for t, n in landed.items():
         recv_bytes[np.asarray(targets[t].holders)] += n
     return Template(targets, bands, ties, read_bytes, sent_bytes, recv_bytes, tuple(offsets),
-                    n_reads, moved, total, sets)  # fmt: skip
+                    n_reads, moved, total, sets, deliveries=deliveries)  # fmt: skip
 
 
 def _read_boxes(

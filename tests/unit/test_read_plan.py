@@ -288,6 +288,24 @@ def test_auto_keeps_read_once_off_local_files_and_picks_direct_on_a_page_cache()
     assert choose_plan(index, wanted, 2, 1 << 20, "auto", slow_disk).strategy == "exchange"
 
 
+def test_auto_does_not_plan_direct_for_replicas_on_thousands_of_ranks(monkeypatch):
+    """A direct plan reads every holder's copy itself: past MAX_DIRECT_READS (a norm on
+    4,096 ranks of a 1T model) auto keeps exchange without planning direct at all."""
+    from reshard_svc.plan import read as read_plan
+
+    index, wanted = _replicated_problem()
+    local = read_plan.StorageCost(latency_s=5e-5, bandwidth=3e9, local=True)
+    read_plan.PLANS.clear()
+    assert read_plan.choose_plan(index, wanted, 2, 1 << 20, "auto", local).strategy == "direct"
+    planned = []
+    real = read_plan._plan
+    monkeypatch.setattr(read_plan, "_plan", lambda *a: planned.append(a[-1]) or real(*a))
+    monkeypatch.setattr(read_plan, "MAX_DIRECT_READS", 1)
+    read_plan.PLANS.clear()
+    assert read_plan.choose_plan(index, wanted, 2, 1 << 20, "auto", local).strategy == "exchange"
+    assert planned == ["exchange"]
+
+
 def test_cost_settings_come_from_the_environment(monkeypatch):
     import pytest
 
