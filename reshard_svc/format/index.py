@@ -306,6 +306,7 @@ class CheckpointIndex:
 
     def check(self) -> None:
         """Geometry checks: tiling, byte ranges, file references. Raises on the first problem."""
+        tiled: set[Any] = set()  # (shape, chunk geometry) already checked
         for t in self.tensors.values():
             where = f"tensor {t.name!r}"
             for c in t.chunks:
@@ -330,7 +331,10 @@ class CheckpointIndex:
                         f"{where}: byte range [{c.begin}, {c.end}) lies outside {c.file} "
                         f"({meta.size} bytes)"
                     )
-            check_tiling(t.shape, [c.box for c in t.chunks], what=where)
+            key = (t.shape, t.plan_chunks)  # the layers of a model share their geometry
+            if key not in tiled:
+                check_tiling(t.shape, [c.box for c in t.chunks], what=where)
+                tiled.add(key)
         spans: dict[str, list[tuple[int, int, str]]] = {}
         for t in self.tensors.values():
             for c in t.chunks:
@@ -437,6 +441,35 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
     return tuple(_int(v, where) for v in value)
 
 
+def _nonneg_ints(value: Any) -> tuple[int, ...] | None:
+    if type(value) is not list:
+        return None
+    for v in value:
+        if type(v) is not int or v < 0:
+            return None
+    return tuple(value)
+
+
+def _chunk_fast(c: Any, files_ok: set[str]) -> Chunk | None:
+    """A raw chunk whose fields are all well-formed (``files_ok``: names already checked),
+    else None: the caller then checks it field by field and says what is wrong."""
+    if type(c) is not dict or c.get("encoding", "raw") != "raw":
+        return None
+    offs, sizes = _nonneg_ints(c.get("offsets")), _nonneg_ints(c.get("sizes"))
+    br, fname = _nonneg_ints(c.get("byte_range")), c.get("file")
+    if offs is None or sizes is None or br is None or len(offs) != len(sizes):
+        return None
+    if len(br) != 2 or br[0] > br[1] or type(fname) is not str:
+        return None
+    if fname not in files_ok:
+        try:
+            _check_file_name(fname, "")
+        except CorruptCheckpointError:
+            return None
+        files_ok.add(fname)
+    return Chunk(Box.trusted(offs, sizes), fname, br[0], br[1], "raw")
+
+
 def _check_file_name(name: str, where: str) -> None:
     # File names are relative names inside the checkpoint folder, never paths.
     if not name or "/" in name or "\\" in name or name in (".", "..") or "::" in name:
@@ -459,7 +492,12 @@ def _tensor_from_json(name: str, t: Any, where: str) -> TensorMeta:
     if not isinstance(chunks_raw, list):
         raise CorruptCheckpointError(f"{tw}.chunks must be a list")
     chunks = []
+    files_ok: set[str] = set()
     for i, c in enumerate(chunks_raw):
+        fast = _chunk_fast(c, files_ok)  # the common, valid chunk without building messages
+        if fast is not None:
+            chunks.append(fast)
+            continue
         cw = f"{tw}.chunks[{i}]"
         if not isinstance(c, dict):
             raise CorruptCheckpointError(f"{cw} must be an object")

@@ -62,7 +62,9 @@ def open_shared(
         if comm.rank == 0:
             _, index = open_checkpoint(storage)
             parsed["index"] = index
-            if index.source != FORMAT_NAME or comm.world == 1:
+            if comm.world == 1:
+                return {"alone": True}
+            if index.source != FORMAT_NAME:
                 return {"index": index.to_json(), "source": index.source}
             raw = storage.read(INDEX_NAME)
             return {"digest": hashlib.sha256(raw).hexdigest()}
@@ -75,6 +77,8 @@ def open_shared(
 
     _, results = comm.run_everywhere(f"opening checkpoint {uri}", opener)
     first = results[0]
+    if comm.world == 1:
+        return storage, parsed["index"]
     if "index" in first:
         if comm.rank == 0:
             return storage, parsed["index"]
