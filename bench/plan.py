@@ -218,6 +218,44 @@ def moe_case(layers: int, torch_ranks: int) -> dict:
     }  # fmt: skip
 
 
+MOE_RULES = {"*.moe.experts.*": "S(0),S(1)", "*norm*": "R,R", "*.router.*": "R,R", "*": "R,S(0)"}
+
+
+def reshard_plan_1t(layers: int) -> dict:
+    """``reshard plan`` itself on the 1T MoE: its index and sparse data files of the sizes
+    it names (a dry run reads only the index) in a temporary folder, sized for a load on
+    ep=256 x tp=16."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from reshard_svc.format.index import FileMeta
+
+    src = {k: Layout.parse("dp=32,ep=64", p) for k, p in
+           (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))}  # fmt: skip
+    index = index_of(moe_1t(layers), src)
+    ends: dict[str, int] = {}
+    for t in index.tensors.values():
+        for c in t.chunks:
+            ends[c.file] = max(ends.get(c.file, 0), c.end)
+    index = CheckpointIndex(tensors=index.tensors, files={f: FileMeta(n) for f, n in ends.items()})
+    with tempfile.TemporaryDirectory() as tmp:
+        for f, n in ends.items():  # sparse: the sizes the index names, no bytes on disk
+            with open(Path(tmp, f), "wb") as fh:
+                fh.truncate(n)
+        Path(tmp, "reshard.index.json").write_bytes(index.dumps())
+        cmd = [str(Path(sys.executable).with_name("reshard")), "plan", tmp, "--mesh",
+               "ep=256,tp=16", "--rules", json.dumps(MOE_RULES), "--load", "--json"]  # fmt: skip
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"reshard plan failed: {out.stderr.strip()}")
+        wall = time.perf_counter() - t0
+    return {"bench": "plan", "case": "reshard plan --load, 1T MoE on ep=256 x tp=16",
+            "layers": layers, "cli_wall_s": round(wall, 2), **json.loads(out.stdout)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--torch-ranks", type=int, default=4, help="target ranks to time torch on")
@@ -228,6 +266,7 @@ def main() -> None:
     for row in replication_sweep(args.runs, args.torch_ranks):
         print(json.dumps({"bench": "plan", "case": "replication sweep", **row}), flush=True)
     print(json.dumps(moe_case(args.moe_layers, args.torch_ranks)), flush=True)
+    print(json.dumps(reshard_plan_1t(args.moe_layers)), flush=True)
 
     src = layouts(64, 8)
     model = llama405b(args.layers)
