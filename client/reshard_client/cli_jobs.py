@@ -211,27 +211,52 @@ def _check_body(model: str, body: dict[str, Any], what: str) -> None:
 @app.command()
 def jobs(
     state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    owner: Annotated[str | None, typer.Option(help="Admins: only this user's jobs.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=500)] = 50,
     url: UrlOpt = None,
     token: TokenOpt = None,
     as_json: TableJsonOpt = False,
 ) -> None:
-    """List jobs, newest first."""
+    """List your jobs, newest first (an admin sees everyone's)."""
     with _client(url, token) as client:
-        page = _remote(lambda: client.list(state=state, limit=limit))
+        page = _remote(lambda: client.list(state=state, limit=limit, owner=owner))
     if as_json:
         sys.stdout.write(page.model_dump_json(indent=1) + "\n")
         return
     table = Table(title=f"{page.total} job(s)", title_justify="left")
-    for col in ("id", "state", "progress", "source", "target", "created"):
+    for col in ("id", "owner", "state", "progress", "source", "target", "created"):
         table.add_column(col)
     for j in page.items:
         p = j.progress
         pct = f"{100 * p.bytes_done / p.bytes_total:.0f}%" if p.bytes_total else "-"
         state = f"{j.state.value} ({j.reason})" if j.reason else j.state.value
-        table.add_row(
-            j.id, state, pct, j.source, j.target, j.created_at.strftime("%Y-%m-%d %H:%M:%S")
-        )
+        table.add_row(j.id, j.owner or "-", state, pct, j.source, j.target,
+                      j.created_at.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
+    out.print(table)
+
+
+@app.command()
+def audit(
+    user: Annotated[str | None, typer.Option("--user", help="Only this user's actions.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 100,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    as_json: TableJsonOpt = False,
+) -> None:
+    """The server's audit log, newest first: who submitted, cancelled or was refused what,
+    when and from where (admins only)."""
+    with _client(url, token) as client:
+        page = _remote(lambda: client.audit(limit=limit, principal=user))
+    if as_json:
+        sys.stdout.write(page.model_dump_json(indent=1) + "\n")
+        return
+    table = Table(title=f"{len(page.items)} audit entries", title_justify="left")
+    for col in ("when", "user", "action", "target", "outcome", "from"):
+        table.add_column(col)
+    for e in page.items:
+        outcome = f"{e.outcome} {e.code}: {e.detail}" if e.code else e.outcome
+        table.add_row(e.at.strftime("%Y-%m-%d %H:%M:%S"), e.principal or "(unknown)", e.action,
+                      e.target, outcome, e.address)  # fmt: skip
     out.print(table)
 
 

@@ -21,6 +21,7 @@ import httpx
 
 from reshard_client.errors import TransportError, error_for
 from reshard_server.schemas import (
+    AuditList,
     JobCreate,
     JobList,
     JobLogs,
@@ -101,11 +102,22 @@ class _Api:
         return _Call("GET", f"/v1/jobs/{job_id}", JobPublic.model_validate)
 
     @staticmethod
-    def list(state: str | None, limit: int, offset: int) -> _Call:
+    def list(state: str | None, limit: int, offset: int, owner: str | None = None) -> _Call:
         params: dict[str, Any] = {"limit": limit, "offset": offset}
         if state:
             params["state"] = state
+        if owner:
+            params["owner"] = owner
         return _Call("GET", "/v1/jobs", JobList.model_validate, {"params": params})
+
+    @staticmethod
+    def audit(limit: int, principal: str | None, before: int | None) -> _Call:
+        params: dict[str, Any] = {"limit": limit}
+        if principal:
+            params["principal"] = principal
+        if before:
+            params["before"] = before
+        return _Call("GET", "/v1/audit", AuditList.model_validate, {"params": params})
 
     @staticmethod
     def cancel(job_id: str) -> _Call:
@@ -211,8 +223,22 @@ class ReshardClient:
     def get(self, job_id: str) -> JobPublic:
         return self._send(_Api.get(job_id))  # type: ignore[no-any-return]
 
-    def list(self, *, state: str | None = None, limit: int = 50, offset: int = 0) -> JobList:
-        return self._send(_Api.list(state, limit, offset))  # type: ignore[no-any-return]
+    def list(
+        self,
+        *,
+        state: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+        owner: str | None = None,
+    ) -> JobList:
+        """Your jobs, newest first (an admin's: everyone's, or ``owner``'s)."""
+        return self._send(_Api.list(state, limit, offset, owner))  # type: ignore[no-any-return]
+
+    def audit(
+        self, *, limit: int = 100, principal: str | None = None, before: int | None = None
+    ) -> AuditList:
+        """The audit log, newest first (admins only)."""
+        return self._send(_Api.audit(limit, principal, before))  # type: ignore[no-any-return]
 
     def cancel(self, job_id: str) -> JobPublic:
         return self._send(_Api.cancel(job_id))  # type: ignore[no-any-return]
@@ -310,8 +336,20 @@ class AsyncReshardClient:
     async def get(self, job_id: str) -> JobPublic:
         return await self._send(_Api.get(job_id))  # type: ignore[no-any-return]
 
-    async def list(self, *, state: str | None = None, limit: int = 50, offset: int = 0) -> JobList:
-        return await self._send(_Api.list(state, limit, offset))  # type: ignore[no-any-return]
+    async def list(
+        self,
+        *,
+        state: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+        owner: str | None = None,
+    ) -> JobList:
+        return await self._send(_Api.list(state, limit, offset, owner))  # type: ignore[no-any-return]
+
+    async def audit(
+        self, *, limit: int = 100, principal: str | None = None, before: int | None = None
+    ) -> AuditList:
+        return await self._send(_Api.audit(limit, principal, before))  # type: ignore[no-any-return]
 
     async def cancel(self, job_id: str) -> JobPublic:
         return await self._send(_Api.cancel(job_id))  # type: ignore[no-any-return]

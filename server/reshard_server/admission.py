@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 
+from reshard_server.auth import Principal
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, QueueFull
 from reshard_server.paths import check_uri, relative_path
 from reshard_server.schemas import JobCreate
 from reshard_svc.errors import PathNotAllowedError
 
-__all__ = ["Refused", "admit", "check_paths"]
+__all__ = ["Refused", "admit", "check_paths", "check_readable"]
 
 
 class Refused(Exception):
@@ -27,9 +28,11 @@ class Refused(Exception):
         super().__init__(detail)
 
 
-def check_paths(source: str, target: str, settings: Settings) -> tuple[str, str]:
-    """The normalised (source, target) when both lie under the roots (the target strictly
-    below one) and differ; :class:`Refused` otherwise."""
+def check_paths(
+    source: str, target: str, settings: Settings, who: Principal | None = None
+) -> tuple[str, str]:
+    """The normalised (source, target) when both lie under the server's roots and the
+    caller's own (the target strictly below one) and differ; :class:`Refused` otherwise."""
     for what, uri in (("source", source), ("target", target)):
         if relative_path(uri):
             raise Refused(
@@ -42,17 +45,53 @@ def check_paths(source: str, target: str, settings: Settings) -> tuple[str, str]
         target = check_uri(target, settings.roots, what="target", write=True)
     except PathNotAllowedError as e:
         raise Refused(403, str(e)) from None
+    if who is not None and who.roots is not None:
+        for what, uri in (("source", source), ("target", target)):
+            try:
+                check_uri(uri, list(who.roots), what=what, write=what == "target")
+            except PathNotAllowedError:
+                raise Refused(
+                    403,
+                    f"{what} {uri!r} is outside user {who.name!r}'s roots "
+                    f"({', '.join(who.roots) or 'none'})",
+                ) from None
     if source.rstrip("/") == target.rstrip("/"):
         raise Refused(422, "target must differ from source")
     return source, target
 
 
+def check_readable(uri: str, settings: Settings, who: Principal, what: str = "uri") -> str:
+    """``uri`` normalised when it lies under the server's roots and the caller's own (a
+    plan's source, a checkpoint to inspect); :class:`Refused` (403) otherwise."""
+    if relative_path(uri):
+        raise Refused(422, f"{what} {uri!r} is a relative path: give an absolute one")
+    try:
+        norm = check_uri(uri, settings.roots, what=what)
+        if who.roots is not None:
+            try:
+                check_uri(norm, list(who.roots), what=what)
+            except PathNotAllowedError:
+                raise PathNotAllowedError(
+                    f"{what} {uri!r} is outside user {who.name!r}'s roots "
+                    f"({', '.join(who.roots) or 'none'})"
+                ) from None
+    except PathNotAllowedError as e:
+        raise Refused(403, str(e)) from None
+    return norm
+
+
 def admit(
-    spec: JobCreate, settings: Settings, store: JobStore, max_nodes: int, idem_key: str | None
+    spec: JobCreate,
+    settings: Settings,
+    store: JobStore,
+    max_nodes: int,
+    idem_key: str | None,
+    who: Principal,
 ) -> tuple[JobRow, bool]:
-    """Store ``spec`` as a queued job; returns (job, created). With an ``idem_key`` already
-    used for the same spec, that job (created False); for another spec, 409."""
-    source, target = check_paths(spec.source, spec.target, settings)
+    """Store ``spec`` as a queued job of ``who``; returns (job, created). With an
+    ``idem_key`` already used for the same spec, that job (created False); for another
+    spec, 409. Past the queue's or the user's own limit of queued jobs, 429."""
+    source, target = check_paths(spec.source, spec.target, settings, who)
     job_spec = spec.to_spec()
     max_nodes = min(settings.max_nodes, max_nodes)
     for what, value, limit in (("workers", job_spec.workers, settings.max_workers),
@@ -63,12 +102,15 @@ def admit(
     body = job_spec.to_json()
     body.update(source=source, target=target)
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    if idem_key is not None and not who.admin:
+        idem_key = f"{who.name}:{idem_key}"  # users' keys never meet
     try:
         job, created = store.create(
-            body, idem_key, digest if idem_key else None, settings.max_queued
-        )
+            body, idem_key, digest if idem_key else None, settings.max_queued,
+            owner=who.name, owner_max_queued=who.max_queued,
+        )  # fmt: skip
     except QueueFull as e:
         raise Refused(429, f"queue is full: {e}", {"Retry-After": "5"}) from None
-    if not created and job.idem_hash != digest:
+    if not created and (job.idem_hash != digest or job.owner != who.name):
         raise Refused(409, f"Idempotency-Key already used for job {job.id} with a different spec")
     return job, created

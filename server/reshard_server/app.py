@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from reshard_server.admission import admit
-from reshard_server.api.routes import checkpoints, health, jobs, plans, watches
+from reshard_server.admission import Refused, admit
+from reshard_server.api.routes import audit, checkpoints, health, jobs, plans, watches
+from reshard_server.auth import ADMIN, AuthFile, Principal
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, ServerLock
 from reshard_server.jobs import JobManager
@@ -67,6 +70,63 @@ async def _too_large(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class HostGuard:
+    """DNS rebinding and cross-site requests: a request whose ``Host`` is not one of the
+    server's names is refused (421), and so is a state-changing request (POST, PUT, PATCH,
+    DELETE) carrying an ``Origin`` from anywhere else (403). Tools that send no ``Origin``
+    (curl, the CLI, workers) are not browsers and pass. ``*`` in ``allowed`` turns the
+    Host check off (behind a proxy that checks it)."""
+
+    UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+    def __init__(self, app: ASGIApp, allowed: set[str]) -> None:
+        self.app, self.allowed = app, {h.lower() for h in allowed}
+
+    def _ok(self, host: str) -> bool:
+        if "*" in self.allowed:
+            return True
+        host = host.strip().lower()
+        if host.startswith("["):  # [::1]:8000
+            host = host[1 : host.find("]")] if "]" in host else host
+        elif host.count(":") == 1:
+            host = host.rsplit(":", 1)[0]
+        return host in self.allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = headers.get(b"host", "")
+        if not self._ok(host):
+            return await _refuse(send, 421, f"unknown Host {host!r} (RESHARD_ALLOWED_HOSTS)")
+        origin = headers.get(b"origin")
+        if origin is not None and scope["method"] in self.UNSAFE:
+            parsed = urlsplit(origin)
+            if origin == "null" or not parsed.hostname or not self._ok(parsed.hostname):
+                return await _refuse(send, 403, f"cross-site request from Origin {origin!r}")
+        return await self.app(scope, receive, send)
+
+
+def allowed_hosts(settings: Settings) -> set[str]:
+    """The names the server answers to: loopback, its bind address, the host of
+    ``RESHARD_PUBLIC_URL`` (or this machine's name when bound to every address), and
+    ``RESHARD_ALLOWED_HOSTS``."""
+    hosts = {"localhost", "127.0.0.1", "::1", *settings.allowed_hosts}
+    if settings.host not in ("", "0.0.0.0", "::"):
+        hosts.add(settings.host)
+    base = urlsplit(settings.callback_base()).hostname
+    if base:
+        hosts.add(base)
+    return hosts
+
+
+async def _refuse(send: Send, code: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": code,
+                "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
 class CountRequests:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -100,10 +160,19 @@ def create_app(
         store = JobStore(settings.db)
         manager = JobManager(settings, store, launcher or make_launcher(settings))
         app.state.store, app.state.manager = store, manager
+
+        def running_limit(owner: str) -> int | None:
+            who = principal_of(owner) if owner else None
+            return who.max_running if who is not None else None
+
+        manager.running_limit = running_limit
         manager.start()  # re-attaches earlier jobs in the background
 
-        def admit_for_watch(spec: JobCreate, key: str) -> JobRow:
-            return admit(spec, settings, store, manager.launcher.max_nodes, key)[0]
+        def admit_for_watch(spec: JobCreate, key: str, owner: str) -> JobRow:
+            who = principal_of(owner)
+            if who is None:
+                raise Refused(403, f"the watch's owner {owner!r} is no longer a user here")
+            return admit(spec, settings, store, manager.launcher.max_nodes, key, who)[0]
 
         watcher = Watcher(settings, store, admit_for_watch)
         watcher.start()
@@ -124,6 +193,15 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.settings = settings
+    auth = AuthFile(settings.auth_file, settings.roots) if settings.auth_file else None
+    app.state.auth = auth
+
+    def principal_of(name: str) -> Principal | None:
+        """A watch's owner as they are now (a removed user's watch submits nothing)."""
+        if name in ("", ADMIN):
+            return Principal(ADMIN, frozenset({ADMIN}), via="shared-token")
+        return auth.user(name) if auth is not None else None
+
     app.state.metrics = Metrics(app.state)
     app.include_router(health.router)
     app.include_router(jobs.router)
@@ -131,6 +209,8 @@ def create_app(
     app.include_router(checkpoints.router)
     app.include_router(watches.router)
     app.include_router(plans.router)
+    app.include_router(audit.router)
     app.add_middleware(CountRequests, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(HostGuard, allowed=allowed_hosts(settings))
     return app

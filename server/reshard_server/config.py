@@ -26,6 +26,16 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RESHARD_", extra="ignore")
 
     token: str = Field(default="", description="bearer token every request but /healthz must carry")
+    auth_file: str = Field(
+        default="",
+        description="YAML file of users, their scopes, roots, quotas and hashed tokens "
+        "(reshard-server token add); read again whenever it changes",
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="comma-separated Host names the server answers to, besides localhost, "
+        "its bind address and RESHARD_PUBLIC_URL's host (a DNS-rebinding guard)",
+    )
     roots: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated local paths or URI prefixes that jobs may read and write",
@@ -106,7 +116,7 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="how often watched roots are scanned for new steps"
     )
 
-    @field_validator("roots", "k8s_secret_keys", mode="before")
+    @field_validator("roots", "k8s_secret_keys", "allowed_hosts", mode="before")
     @classmethod
     def _split_roots(cls, v: object) -> object:
         if isinstance(v, str):

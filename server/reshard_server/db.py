@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "AuditRow",
     "DatabaseInUse",
     "JobRow",
     "JobStore",
@@ -57,6 +58,17 @@ CREATE TABLE IF NOT EXISTS watches (
     stopped_at REAL,
     error TEXT
 );
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    principal TEXT NOT NULL,
+    action TEXT NOT NULL,
+    target TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    code INTEGER NOT NULL DEFAULT 0,
+    detail TEXT NOT NULL DEFAULT '',
+    address TEXT NOT NULL DEFAULT ''
+);
 CREATE TABLE IF NOT EXISTS watch_steps (
     watch_id TEXT NOT NULL,
     step INTEGER NOT NULL,
@@ -76,6 +88,7 @@ COLUMNS = {
     "final": "TEXT",  # the workers' done/error event, as JSON
     "reason": "TEXT",  # why the engine keeps the job waiting (its own words)
     "pending_since": "REAL",  # when the engine started keeping it waiting
+    "owner": "TEXT NOT NULL DEFAULT ''",  # the principal that submitted it
 }
 
 
@@ -157,6 +170,7 @@ class JobRow:
     final: dict[str, Any] | None = None
     reason: str | None = None
     pending_since: float | None = None
+    owner: str = ""
 
     @property
     def at_engine(self) -> bool:
@@ -183,7 +197,21 @@ class JobRow:
             final=json.loads(r["final"]) if r["final"] else None,
             reason=r["reason"],
             pending_since=r["pending_since"],
+            owner=r["owner"] or "",
         )
+
+
+@dataclass
+class AuditRow:
+    seq: int
+    at: float
+    principal: str
+    action: str
+    target: str
+    outcome: str
+    code: int
+    detail: str
+    address: str
 
 
 class WatchExists(Exception):
@@ -213,12 +241,14 @@ class WatchRow:
     last_scan_at: float | None
     stopped_at: float | None
     error: str | None
+    owner: str = ""
 
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> WatchRow:
         return cls(
             id=r["id"], state=r["state"], spec=json.loads(r["spec"]), created_at=r["created_at"],
             last_scan_at=r["last_scan_at"], stopped_at=r["stopped_at"], error=r["error"],
+            owner=r["owner"] or "",
         )  # fmt: skip
 
 
@@ -237,17 +267,28 @@ class JobStore:
         for name, kind in COLUMNS.items():
             if name not in have:
                 self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(watches)")}
+        if "owner" not in have:
+            self._db.execute("ALTER TABLE watches ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
     def create(
-        self, spec: dict[str, Any], idem_key: str | None, idem_hash: str | None, max_queued: int
+        self,
+        spec: dict[str, Any],
+        idem_key: str | None,
+        idem_hash: str | None,
+        max_queued: int,
+        owner: str = "",
+        owner_max_queued: int | None = None,
     ) -> tuple[JobRow, bool]:
-        """Insert a queued job; with an idempotency key already used, return that job.
+        """Insert a queued job for ``owner``; with an idempotency key already used, return
+        that job.
 
-        Returns (job, created). Raises QueueFull when ``max_queued`` jobs are queued.
+        Returns (job, created). Raises QueueFull when ``max_queued`` jobs are queued, or
+        ``owner_max_queued`` of the owner's.
         """
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -264,11 +305,20 @@ class JobStore:
                 ).fetchone()
                 if queued >= max_queued:
                     raise QueueFull(f"{queued} jobs are queued (limit {max_queued})")
+                if owner_max_queued is not None:
+                    (mine,) = self._db.execute(
+                        "SELECT COUNT(*) FROM jobs WHERE state='queued' AND owner=?", (owner,)
+                    ).fetchone()
+                    if mine >= owner_max_queued:
+                        raise QueueFull(
+                            f"user {owner!r} has {mine} queued jobs (their limit, max_queued, "
+                            f"is {owner_max_queued})"
+                        )
                 job_id = uuid.uuid4().hex[:16]
                 self._db.execute(
-                    "INSERT INTO jobs (id, state, spec, idem_key, idem_hash, created_at) "
-                    "VALUES (?, 'queued', ?, ?, ?, ?)",
-                    (job_id, json.dumps(spec), idem_key, idem_hash, time.time()),
+                    "INSERT INTO jobs (id, state, spec, idem_key, idem_hash, created_at, owner) "
+                    "VALUES (?, 'queued', ?, ?, ?, ?, ?)",
+                    (job_id, json.dumps(spec), idem_key, idem_hash, time.time(), owner),
                 )
                 self._db.execute("COMMIT")
             except BaseException:
@@ -282,8 +332,18 @@ class JobStore:
             row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return JobRow.from_row(row) if row else None
 
-    def list(self, state: str | None, limit: int, offset: int) -> tuple[builtins.list[JobRow], int]:
-        where, args = ("WHERE state=?", (state,)) if state else ("", ())
+    def list(
+        self, state: str | None, limit: int, offset: int, owner: str | None = None
+    ) -> tuple[builtins.list[JobRow], int]:
+        """Jobs newest first, in ``state`` and of ``owner`` when given; and how many."""
+        conds, args = [], []
+        if state:
+            conds.append("state=?")
+            args.append(state)
+        if owner is not None:
+            conds.append("owner=?")
+            args.append(owner)
+        where = f"WHERE {' AND '.join(conds)}" if conds else ""
         with self._lock:
             (total,) = self._db.execute(f"SELECT COUNT(*) FROM jobs {where}", args).fetchone()
             rows = self._db.execute(
@@ -304,6 +364,42 @@ class JobStore:
         with self._lock:
             rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
         return {r[0]: r[1] for r in rows}
+
+    def audit(
+        self,
+        principal: str,
+        action: str,
+        target: str,
+        outcome: str,
+        code: int = 0,
+        detail: str = "",
+        address: str = "",
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO audit (at, principal, action, target, outcome, code, detail, "
+                "address) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (time.time(), principal, action, target[:1000], outcome, code, detail[:2000],
+                 address),
+            )  # fmt: skip
+
+    def audit_log(
+        self, limit: int, before: int | None = None, principal: str | None = None
+    ) -> builtins.list[AuditRow]:
+        """Audit lines newest first (``before``: a seq, for paging)."""
+        conds, args = [], []
+        if before is not None:
+            conds.append("seq<?")
+            args.append(before)
+        if principal is not None:
+            conds.append("principal=?")
+            args.append(principal)
+        where = f"WHERE {' AND '.join(conds)}" if conds else ""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM audit {where} ORDER BY seq DESC LIMIT ?", (*args, limit)
+            ).fetchall()
+        return [AuditRow(**{k: r[k] for k in r.keys()}) for r in rows]
 
     def by_token_hash(self, token_hash: str) -> str | None:
         """The id of the job whose callback token hashes to ``token_hash``."""
@@ -337,7 +433,9 @@ class JobStore:
 
     # ---- watches: a root whose newly committed steps become jobs
 
-    def create_watch(self, spec: dict[str, Any], baseline: dict[int, str]) -> WatchRow:
+    def create_watch(
+        self, spec: dict[str, Any], baseline: dict[int, str], owner: str = ""
+    ) -> WatchRow:
         """Insert an active watch and the steps it will not convert (``baseline``: step ->
         source), in one transaction. Raises WatchExists when an active watch has the same
         root and target."""
@@ -351,8 +449,9 @@ class JobStore:
                 watch_id = uuid.uuid4().hex[:16]
                 now = time.time()
                 self._db.execute(
-                    "INSERT INTO watches (id, state, spec, created_at) VALUES (?, 'active', ?, ?)",
-                    (watch_id, json.dumps(spec), now),
+                    "INSERT INTO watches (id, state, spec, created_at, owner) "
+                    "VALUES (?, 'active', ?, ?, ?)",
+                    (watch_id, json.dumps(spec), now, owner),
                 )
                 self._db.executemany(
                     "INSERT INTO watch_steps (watch_id, step, source, outcome, at) "

@@ -24,6 +24,8 @@ import hashlib
 import logging
 import secrets
 import time
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from reshard_server.config import Settings
@@ -43,6 +45,23 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def fair_order(waiting: list[JobRow], last_owner: str | None) -> list[JobRow]:
+    """Queued jobs in the order they may start: round-robin across their owners (each
+    owner's own in submission order), beginning with the owner after ``last_owner``, whose
+    job started last; so one user's sixteen jobs do not hold another's one back."""
+    queues: dict[str, list[JobRow]] = {}
+    for job in waiting:  # oldest first
+        queues.setdefault(job.owner, []).append(job)
+    owners = sorted(queues)
+    if last_owner is not None:
+        after = [o for o in owners if o > last_owner]
+        owners = after + [o for o in owners if o <= last_owner]
+    out: list[JobRow] = []
+    for i in range(max((len(q) for q in queues.values()), default=0)):
+        out.extend(queues[o][i] for o in owners if i < len(queues[o]))
+    return out
+
+
 class JobManager(Ticker):
     """Owns the job lifecycle, on one long-lived thread (engine calls block; local workers
     are its children and die with it, by ``PR_SET_PDEATHSIG``): it first re-attaches the
@@ -57,6 +76,9 @@ class JobManager(Ticker):
         self.launcher = launcher
         self._cancel_at: dict[str, float] = {}
         self.bytes_converted = 0
+        #: a user's own limit of jobs at the engine (None: only the server's)
+        self.running_limit: Callable[[str], int | None] = lambda owner: None
+        self._last_owner: str | None = None  # whose job started last (round-robin)
 
     def log_path(self, job_id: str) -> Any:
         return self.settings.log_dir() / f"{job_id}.log"
@@ -100,14 +122,24 @@ class JobManager(Ticker):
                 continue
             self._cancel_at.pop(job.id, None)
             self._conclude(self.store.get(job.id) or job, status)
-        busy = len(self._at_engine())
-        for job in self.store.in_state("queued"):
-            if job.at_engine:
-                continue
+        at_engine = self._at_engine()
+        busy = len(at_engine)
+        per_owner = Counter(j.owner for j in at_engine)
+        waiting = [j for j in self.store.in_state("queued") if not j.at_engine]
+        for job in fair_order(waiting, self._last_owner):
             if busy >= self.settings.max_running:
                 break
+            limit = self.running_limit(job.owner)
+            if limit is not None and per_owner[job.owner] >= limit:
+                reason = (f"user {job.owner!r} has {per_owner[job.owner]} jobs running (their "
+                          f"max_running is {limit})")  # fmt: skip
+                if job.reason != reason:
+                    self.store.update(job.id, reason=reason)
+                continue
             self._launch(job)
             busy += 1
+            per_owner[job.owner] += 1
+            self._last_owner = job.owner
 
     def _track(self, job: JobRow, status: EngineStatus, now: float) -> None:
         """Show what the engine does with a job: ``queued`` with its reason while it keeps

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=None, help="port (default 8000)")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--version", action="version", version=f"reshard-server {__version__}")
+    ap.epilog = "users and tokens: reshard-server token add|list|revoke (--help for each)\n\n" + (
+        ap.epilog or ""
+    )
     return ap
 
 
@@ -66,7 +69,88 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _token_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="reshard-server token",
+        description="Manage users' API tokens in the auth file (RESHARD_AUTH_FILE). Only "
+        "hashes are stored; a running server sees changes on its next request.",
+    )
+    ap.add_argument("--auth-file", default=None, help="default: $RESHARD_AUTH_FILE")
+    sub = ap.add_subparsers(dest="action", required=True)
+    add = sub.add_parser("add", help="a new token for USER, printed once")
+    add.add_argument("user")
+    add.add_argument("--scopes", default="read,submit,cancel",
+                     help="comma-separated: read, submit, cancel, admin (default: "
+                     "read,submit,cancel)")  # fmt: skip
+    add.add_argument("--roots", default=None,
+                     help="comma-separated paths or URI prefixes, within RESHARD_ROOTS "
+                     "(default: all of them)")  # fmt: skip
+    add.add_argument("--max-running", type=int, default=None, help="the user's running jobs")
+    add.add_argument("--max-queued", type=int, default=None, help="the user's queued jobs")
+    lst = sub.add_parser("list", help="users, their scopes, roots, quotas and token ids")
+    lst.add_argument("--json", action="store_true")
+    rev = sub.add_parser("revoke", help="remove a token (by the id `list` shows)")
+    rev.add_argument("token_id")
+    return ap
+
+
+def token_main(argv: list[str]) -> None:
+    """``reshard-server token add|list|revoke``."""
+    import json
+
+    from reshard_server.auth import SCOPES, AuthFile, AuthFileError
+
+    args = _token_parser().parse_args(argv)
+    path = args.auth_file or Settings().auth_file
+    if not path:
+        _fail("no auth file: set RESHARD_AUTH_FILE or pass --auth-file")
+    auth = AuthFile(path)
+    try:
+        if args.action == "add":
+            scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+            bad = [s for s in scopes if s not in SCOPES]
+            if bad or not scopes:
+                _fail(f"unknown scope(s) {', '.join(bad) or '(none given)'}; choose from "
+                      f"{', '.join(SCOPES)}")  # fmt: skip
+            roots = [r.strip() for r in args.roots.split(",") if r.strip()] if args.roots else None
+            for what, v in (("--max-running", args.max_running), ("--max-queued", args.max_queued)):
+                if v is not None and v < 0:
+                    _fail(f"{what} must be 0 or more")
+            token, token_id = auth.add_token(args.user, scopes, roots, args.max_running,
+                                             args.max_queued)  # fmt: skip
+            sys.stderr.write(f"token {token_id} for {args.user} (shown once; store it now):\n")
+            sys.stdout.write(token + "\n")
+        elif args.action == "list":
+            users = auth.load_raw()["users"]
+            rows = [{"user": name, "scopes": e["scopes"], "roots": e.get("roots"),
+                     "max_running": e.get("max_running"), "max_queued": e.get("max_queued"),
+                     "tokens": [{"id": t["id"], "created": t.get("created")} for t in e["tokens"]]}
+                    for name, e in sorted(users.items())]  # fmt: skip
+            if args.json:
+                sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+                return
+            for r in rows:
+                roots = ",".join(r["roots"]) if r["roots"] is not None else "(all roots)"
+                ids = ",".join(t["id"] for t in r["tokens"]) or "(no tokens)"
+                sys.stdout.write(f"{r['user']}\t{','.join(r['scopes'])}\t{roots}\t"
+                                 f"running={r['max_running']}\tqueued={r['max_queued']}\t"
+                                 f"tokens={ids}\n")  # fmt: skip
+        else:
+            try:
+                user = auth.revoke(args.token_id)
+            except KeyError:
+                _fail(f"no token with id {args.token_id!r} (see `reshard-server token list`)")
+            sys.stdout.write(f"revoked token {args.token_id} of {user}\n")
+    except AuthFileError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot use the auth file {path}: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["token"]:
+        return token_main(argv[1:])
     args = _parser().parse_args(argv)
     overrides: dict[str, Any] = {
         k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None
@@ -88,8 +172,15 @@ def main(argv: list[str] | None = None) -> None:
     sock = _bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     lock.bound(f"http://{host}:{port}")
-    if not settings.token:
-        log.warning("RESHARD_TOKEN is empty: every API call will be refused")
+    if settings.auth_file:
+        from reshard_server.auth import AuthFile
+
+        problem = AuthFile(settings.auth_file).error
+        if problem:
+            _fail(f"RESHARD_AUTH_FILE: {problem}")
+    elif not settings.token:
+        log.warning("RESHARD_TOKEN and RESHARD_AUTH_FILE are empty: every API call will be "
+                    "refused")  # fmt: skip
     if not settings.roots:
         log.warning(
             "RESHARD_ROOTS is empty: every job will be refused; set the comma-separated "

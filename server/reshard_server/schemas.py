@@ -263,6 +263,7 @@ class ProgressPublic(BaseModel):
 
 class JobPublic(BaseModel):
     id: str
+    owner: str = Field(default="", description="the user that submitted it")
     state: JobState
     spec: JobCreate
     source: str
@@ -316,6 +317,7 @@ class WatchStep(BaseModel):
 
 class WatchPublic(BaseModel):
     id: str
+    owner: str = Field(default="", description="the user that started it")
     state: Literal["active", "stopped"]
     spec: WatchCreate
     root: str
@@ -333,3 +335,19 @@ class WatchPublic(BaseModel):
 
 class WatchList(BaseModel):
     items: list[WatchPublic]
+
+
+class AuditEntry(BaseModel):
+    seq: int
+    at: datetime
+    principal: str = Field(description="the user; empty when no token was recognised")
+    action: str
+    target: str
+    outcome: str = Field(description="ok, existing, or refused")
+    code: int = Field(description="the HTTP status of a refusal (0 otherwise)")
+    detail: str
+    address: str = Field(description="the client's address")
+
+
+class AuditList(BaseModel):
+    items: list[AuditEntry]

@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from reshard_server.admission import Refused, check_paths
+from reshard_server.auth import Principal
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, WatchRow
 from reshard_server.schemas import JobCreate, WatchCreate
@@ -46,7 +47,8 @@ COMMIT_MARKERS = (
     ("torch_checkpointing", "metadata.pkl"),
 )
 
-Admit = Callable[[JobCreate, str], JobRow]
+#: submit a watch's job: (spec, idempotency key, the watch's owner) -> the job
+Admit = Callable[[JobCreate, str, str], JobRow]
 
 
 def step_folders(root: str) -> dict[int, str]:
@@ -85,10 +87,10 @@ def committed_steps(root: str, skip: Collection[int] = (), every: int = 1) -> di
     return out
 
 
-def check_watch(spec: WatchCreate, settings: Settings) -> WatchCreate:
+def check_watch(spec: WatchCreate, settings: Settings, who: Principal | None = None) -> WatchCreate:
     """The watch with its root normalised, if its root is readable and its jobs' targets
-    writable under the server's roots (:class:`Refused` otherwise)."""
-    root, target = check_paths(spec.root, spec.target_for(0), settings)
+    writable under the server's roots and the caller's (:class:`Refused` otherwise)."""
+    root, target = check_paths(spec.root, spec.target_for(0), settings, who)
     parent, _, name = target.rstrip("/").rpartition("/")
     if parent == root.rstrip("/") and STEP_FOLDER.fullmatch(name):
         raise Refused(
@@ -132,7 +134,7 @@ class Watcher(Ticker):
             if self.store.get_watch(watch.id).state != "active":  # type: ignore[union-attr]
                 return  # stopped meanwhile: nothing more
             try:
-                job = self.admit(spec.job(step, source), f"watch:{watch.id}:{step}")
+                job = self.admit(spec.job(step, source), f"watch:{watch.id}:{step}", watch.owner)
             except Refused as e:
                 if e.status == 429:  # the queue is full: the rest next scan
                     logger.info("watch %s: queue full at step %d, retrying", watch.id, step)
@@ -164,7 +166,7 @@ def public_fields(watch: WatchRow, store: JobStore) -> dict[str, Any]:
         for s in store.watch_steps(watch.id, limit=100)
     ]  # fmt: skip
     return {
-        "id": watch.id, "state": watch.state, "spec": spec, "root": spec.root,
+        "id": watch.id, "owner": watch.owner, "state": watch.state, "spec": spec, "root": spec.root,
         "target": spec.target, "every": spec.every, "submitted": store.count_submitted(watch.id),
         "steps": steps, "error": watch.error, "created_at": ts(watch.created_at),
         "last_scan_at": ts(watch.last_scan_at), "stopped_at": ts(watch.stopped_at),

@@ -1,13 +1,15 @@
-"""Dependencies shared by the routes: settings, store, manager, and bearer-token auth."""
+"""Dependencies shared by the routes: settings, store, manager, the caller (bearer-token
+auth, :mod:`reshard_server.auth`), scope checks and the audit log."""
 
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from reshard_server.auth import ADMIN, AuthFile, Principal
 from reshard_server.config import Settings
 from reshard_server.db import JobStore
 from reshard_server.jobs import JobManager
@@ -32,19 +34,63 @@ StoreDep = Annotated[JobStore, Depends(get_store)]
 ManagerDep = Annotated[JobManager, Depends(get_manager)]
 
 
-def require_token(
+def authenticate(
+    request: Request,
     settings: SettingsDep,
     creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """The caller, from its bearer token: ``RESHARD_TOKEN`` (compared in constant time) is
+    the admin; any other token is looked up, by hash, in ``RESHARD_AUTH_FILE``. 401
+    otherwise; the refusal is audited, without the token."""
+    given = creds.credentials if creds and creds.scheme.lower() == "bearer" else ""
+    if given:
+        if settings.token and hmac.compare_digest(given.encode(), settings.token.encode()):
+            return Principal(ADMIN, frozenset({ADMIN}), via="shared-token")
+        auth: AuthFile | None = request.app.state.auth
+        if auth is not None:
+            who = auth.authenticate(given)
+            if who is not None:
+                return who
+    audit(request, None, "authenticate", request.url.path, "refused", 401)
+    raise HTTPException(
+        status.HTTP_401_UNAUTHORIZED,
+        "missing, wrong or revoked bearer token (set RESHARD_TOKEN on the client to a token "
+        "the server's operator gave you)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+PrincipalDep = Annotated[Principal, Depends(authenticate)]
+AuthDep = Depends(authenticate)
+
+
+def require(scope: str) -> Any:
+    """A dependency: the caller, who must hold ``scope`` (403 naming it otherwise)."""
+
+    def check(request: Request, who: PrincipalDep) -> Principal:
+        if not who.may(scope):
+            audit(request, who, f"need:{scope}", request.url.path, "refused", 403)
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                f"user {who.name!r} lacks the {scope!r} scope (ask the server's operator)",
+            )
+        return who
+
+    return Depends(check)
+
+
+def audit(
+    request: Request,
+    who: Principal | None,
+    action: str,
+    target: str,
+    outcome: str,
+    code: int = 0,
+    detail: str = "",
 ) -> None:
-    """Bearer-token check, in constant time. An empty RESHARD_TOKEN refuses everyone."""
-    given = creds.credentials.encode() if creds and creds.scheme.lower() == "bearer" else b""
-    expected = settings.token.encode()
-    if not expected or not hmac.compare_digest(given, expected):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "missing or wrong bearer token (set RESHARD_TOKEN on the client)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
-AuthDep = Depends(require_token)
+    """One line of the audit log: who did what to which target, and how it went."""
+    store: JobStore | None = getattr(request.app.state, "store", None)
+    if store is None:
+        return
+    address = request.client.host if request.client else ""
+    store.audit(who.name if who else "", action, target, outcome, code, detail, address)

@@ -7,31 +7,33 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, status
 from starlette.concurrency import run_in_threadpool
 
-from reshard_server.api.deps import AuthDep, SettingsDep
-from reshard_server.paths import check_uri
+from reshard_server.admission import Refused, check_readable
+from reshard_server.api.deps import SettingsDep, require
+from reshard_server.auth import Principal
 from reshard_svc.errors import (
     CheckpointError,
     NotACheckpointError,
-    PathNotAllowedError,
     StorageError,
     UnsafePickleError,
 )
 
-router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], dependencies=[AuthDep])
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
 
 @router.get("")
 async def inspect_checkpoint(
-    settings: SettingsDep, uri: Annotated[str, Query(min_length=1, max_length=4096)]
+    settings: SettingsDep,
+    who: Annotated[Principal, require("read")],
+    uri: Annotated[str, Query(min_length=1, max_length=4096)],
 ) -> dict[str, Any]:
     """Tensors (dtype, shape, layout, chunks), files and extras of a checkpoint."""
     from reshard_svc import inspect
     from reshard_svc.format.inspection import describe_index
 
     try:
-        path = check_uri(uri, settings.roots, what="uri")
-    except PathNotAllowedError as e:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, str(e)) from None
+        path = check_readable(uri, settings, who)
+    except Refused as e:
+        raise HTTPException(e.status, e.detail) from None
     try:
         index = await run_in_threadpool(inspect, path)
     except NotACheckpointError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from reshard_server.api.deps import AuthDep
+from reshard_server.api.deps import require
 
 router = APIRouter(tags=["health"])
 
@@ -16,7 +16,7 @@ def healthz(request: Request) -> dict[str, object]:
     return {"status": "ok", "jobs": counts}
 
 
-@router.get("/metrics", dependencies=[AuthDep])
+@router.get("/metrics", dependencies=[require("read")])
 def metrics(request: Request) -> Response:
     return Response(
         generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST

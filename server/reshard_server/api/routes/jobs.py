@@ -14,14 +14,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from reshard_server.admission import Refused, admit
-from reshard_server.api.deps import AuthDep, ManagerDep, SettingsDep, StoreDep
+from reshard_server.api.deps import ManagerDep, SettingsDep, StoreDep, audit, require
+from reshard_server.auth import Principal
 from reshard_server.db import JobRow
 from reshard_server.jobs import token_hash
 from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic, JobState, ProgressPublic
 from reshard_svc.errors import UsageError
 from reshard_svc.plan.spec import check_event
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[AuthDep])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+Reader = Annotated[Principal, require("read")]
+Submitter = Annotated[Principal, require("submit")]
+Canceller = Annotated[Principal, require("cancel")]
 
 MAX_LOG_CHUNK = 1024 * 1024
 
@@ -40,6 +44,7 @@ def to_public(job: JobRow) -> JobPublic:
         throughput = progress.bytes_done / elapsed if elapsed > 0 else None
     return JobPublic(
         id=job.id,
+        owner=job.owner,
         state=JobState(job.state),
         spec=JobCreate(**job.spec),
         source=job.spec["source"],
@@ -57,9 +62,11 @@ def to_public(job: JobRow) -> JobPublic:
     )
 
 
-def _job_or_404(store: StoreDep, job_id: str) -> JobRow:
+def _job_or_404(store: StoreDep, job_id: str, who: Principal) -> JobRow:
+    """The job, if ``who`` may see it (their own, or any for an admin); else 404, the same
+    answer as for a job that does not exist."""
     job = store.get(job_id)
-    if job is None:
+    if job is None or not (who.admin or job.owner == who.name):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
     return job
 
@@ -70,6 +77,8 @@ def submit(
     settings: SettingsDep,
     store: StoreDep,
     manager: ManagerDep,
+    request: Request,
+    who: Submitter,
     idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
 ) -> JSONResponse:
     """Queue a conversion. The job is in the database before this replies 202.
@@ -77,10 +86,15 @@ def submit(
     With an ``Idempotency-Key`` already used for the same spec, the existing job is
     returned (200); used for a different spec, 409.
     """
+    what = f"{spec.source} -> {spec.target}"
     try:
-        job, created = admit(spec, settings, store, manager.launcher.max_nodes, idempotency_key)
+        job, created = admit(
+            spec, settings, store, manager.launcher.max_nodes, idempotency_key, who
+        )
     except Refused as e:
+        audit(request, who, "submit", what, "refused", e.status, e.detail)
         raise HTTPException(e.status, e.detail, headers=e.headers) from None
+    audit(request, who, "submit", f"job {job.id}: {what}", "ok" if created else "existing")
     code = status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK
     return JSONResponse(to_public(job).model_dump(mode="json"), status_code=code)
 
@@ -88,24 +102,36 @@ def submit(
 @router.get("", response_model=JobList)
 def list_jobs(
     store: StoreDep,
+    who: Reader,
     state: JobState | None = None,
+    owner: Annotated[str | None, Query(max_length=200, description="admins: one user's")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> JobList:
-    rows, total = store.list(state.value if state else None, limit, offset)
+    """Jobs newest first: the caller's own (an admin's: everyone's, or ``owner``'s)."""
+    if not who.admin:
+        owner = who.name
+    rows, total = store.list(state.value if state else None, limit, offset, owner)
     return JobList(items=[to_public(r) for r in rows], total=total, limit=limit, offset=offset)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(store: StoreDep, job_id: str) -> JobPublic:
-    return to_public(_job_or_404(store, job_id))
+def get_job(store: StoreDep, who: Reader, job_id: str) -> JobPublic:
+    return to_public(_job_or_404(store, job_id, who))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(store: StoreDep, manager: ManagerDep, job_id: str) -> JobPublic:
+def cancel_job(
+    store: StoreDep, manager: ManagerDep, request: Request, who: Canceller, job_id: str
+) -> JobPublic:
     """Cancel: a queued job at once; a running one gets SIGTERM, SIGKILL after the grace."""
-    _job_or_404(store, job_id)
+    try:
+        _job_or_404(store, job_id, who)
+    except HTTPException:
+        audit(request, who, "cancel", f"job {job_id}", "refused", 404)
+        raise
     job = manager.cancel(job_id)
+    audit(request, who, "cancel", f"job {job_id}", "ok")
     return to_public(job)  # type: ignore[arg-type]
 
 
@@ -113,12 +139,13 @@ def cancel_job(store: StoreDep, manager: ManagerDep, job_id: str) -> JobPublic:
 def job_logs(
     store: StoreDep,
     manager: ManagerDep,
+    who: Reader,
     job_id: str,
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     tail: Annotated[int | None, Query(ge=1, le=100_000, description="last N lines")] = None,
 ) -> JobLogs:
     """The workers' output, from the engine (a local file, Slurm's --output, pod logs)."""
-    job = _job_or_404(store, job_id)
+    job = _job_or_404(store, job_id, who)
     if not job.handle:
         return JobLogs(id=job_id, offset=0, next_offset=0, size=0, text="")
     try:
@@ -138,9 +165,11 @@ def job_logs(
 
 
 @router.get("/{job_id}/events", response_class=StreamingResponse)
-async def job_events(store: StoreDep, request: Request, job_id: str) -> StreamingResponse:
+async def job_events(
+    store: StoreDep, request: Request, who: Reader, job_id: str
+) -> StreamingResponse:
     """Server-sent events: ``progress`` whenever it changes, then one ``state`` at the end."""
-    _job_or_404(store, job_id)
+    _job_or_404(store, job_id, who)
     interval = request.app.state.settings.poll_interval_s
 
     async def stream() -> AsyncIterator[str]:
