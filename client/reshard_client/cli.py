@@ -108,12 +108,79 @@ def _size(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+#: box colours, cycled (distinct on dark and light terminals)
+PALETTE = ("red", "green", "blue", "magenta", "cyan", "yellow", "bright_red", "bright_green",
+           "bright_blue", "bright_magenta", "bright_cyan", "dark_orange", "purple", "orchid",
+           "turquoise2", "gold3")  # fmt: skip
+LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def _draw_layout(index: Any, name: str, as_json: bool) -> None:
+    from rich.text import Text
+
+    from reshard_svc.format.picture import layout_picture
+
+    meta = index.tensors.get(name)
+    if meta is None:
+        near = [n for n in sorted(index.tensors) if name.split(".")[-1] in n][:5]
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        from reshard_svc.errors import UsageError
+
+        raise _fail(UsageError(f"no tensor {name!r} in this checkpoint{hint} (reshard inspect "
+                               "lists them)"))  # fmt: skip
+    pic = layout_picture(meta)
+    if as_json:
+        sys.stdout.write(json.dumps(pic, indent=1) + "\n")
+        return
+    boxes = pic["boxes"]
+    out.print(f"[bold]{name}[/]  {pic['dtype']} {'x'.join(map(str, pic['shape'])) or 'scalar'}"
+              f"  {pic['layout'] or '(no layout recorded: stored chunks)'}", highlight=False)  # fmt: skip
+    dims = pic["dims_drawn"]
+    out.print(f"rows: dim {dims[0]}, columns: dim {dims[1]}" if len(dims) == 2 else
+              "one row: dim 0" if dims else "a scalar", highlight=False)  # fmt: skip
+    for row in pic["grid"]:
+        line = Text()
+        for k in row:
+            label = LABELS[k % len(LABELS)] if k >= 0 else "?"
+            line.append(label, style=f"bold white on {PALETTE[k % len(PALETTE)]}" if k >= 0 else "")
+        out.print(line)
+    if pic["note"]:
+        out.print(pic["note"], highlight=False)
+    for k, b in enumerate(boxes[:64]):
+        where = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(b["offsets"], b["sizes"])) + "]"
+        if b["holders"]:
+            who = "; ".join(",".join(f"{n}={v}" for n, v in c.items()) for c in b["coords"])
+            held = f"rank {b['holders'][0]}" if len(b["holders"]) == 1 else \
+                f"{len(b['holders'])} replicas: ranks {', '.join(map(str, b['holders'][:8]))}" + \
+                ("…" if len(b["holders"]) > 8 else "")  # fmt: skip
+            text = f"{where}  {held}  ({who[:200]})"
+        else:
+            text = f"{where}  {b.get('file', '')}"
+        line = Text()
+        line.append(
+            f" {LABELS[k % len(LABELS)]} ", style=f"bold white on {PALETTE[k % len(PALETTE)]}"
+        )
+        line.append(" " + text)
+        out.print(line)
+    if len(boxes) > 64:
+        out.print(f"… and {len(boxes) - 64} more boxes (--json lists them all)")
+
+
 @app.command()
 def inspect(
     uri: Annotated[str, typer.Argument(help="Checkpoint folder: path, file://, s3://, memory://")],
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the full description as JSON.")
     ] = False,
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            metavar="TENSOR",
+            help="Draw TENSOR's layout: its boxes, coloured by the mesh coordinates "
+            "that hold them (with --json: the picture's data).",
+        ),
+    ] = None,  # fmt: skip
 ) -> None:
     """Show a checkpoint's tensors: dtype, shape, layout, chunks and bytes."""
     from reshard_svc import ReshardError
@@ -124,6 +191,8 @@ def inspect(
         index = do_inspect(uri)
     except ReshardError as e:
         raise _fail(e) from None
+    if layout is not None:
+        return _draw_layout(index, layout, as_json)
     if as_json:
         sys.stdout.write(json.dumps(describe_index(index, uri), indent=1) + "\n")
         return

@@ -292,3 +292,72 @@ def parse(text: str, where: str) -> dict[str, Any]:
                 raise AuthFileError(f"{tw}.id must be a unique string")
             seen_ids.add(tid)
     return data
+
+
+#: signatures a JWT may carry: asymmetric only (an HMAC "signed" with a public key, and
+#: ``alg: none``, are refused by construction)
+JWT_ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384",
+                  "ES512", "EdDSA"]  # fmt: skip
+SCOPE_PREFIX = "reshard:"
+
+
+class JwtVerifier:
+    """Bearer JWTs from the organisation's identity provider: signature (a key of the
+    issuer's JWKS, by ``kid``), issuer, audience, expiry; the user from ``user_claim`` and
+    scopes from ``scopes_claim`` values ``reshard:<scope>``."""
+
+    def __init__(
+        self, issuer: str, audience: str, jwks: str, user_claim: str, scopes_claim: str
+    ) -> None:
+        import jwt
+
+        self.issuer, self.audience = issuer, audience
+        self.user_claim, self.scopes_claim = user_claim, scopes_claim
+        if not (issuer and audience and jwks):
+            raise AuthFileError("JWTs need RESHARD_JWT_ISSUER, RESHARD_JWT_AUDIENCE and "
+                                "RESHARD_JWT_JWKS")  # fmt: skip
+        if jwks.startswith(("https://", "http://")):
+            self._client: Any = jwt.PyJWKClient(jwks, cache_keys=True, lifespan=300)
+            self._keys: Any = None
+        else:
+            import json
+
+            self._client = None
+            self._keys = jwt.PyJWKSet.from_dict(json.loads(Path(jwks).read_text()))
+
+    def _key(self, token: str) -> Any:
+        import jwt
+
+        if self._client is not None:
+            return self._client.get_signing_key_from_jwt(token).key
+        kid = jwt.get_unverified_header(token).get("kid")
+        for k in self._keys.keys:
+            if k.key_id == kid:
+                return k.key
+        raise jwt.InvalidTokenError(f"unknown key id {kid!r}")
+
+    def verify(self, token: str) -> Principal | None:
+        """The principal of a valid token, or None (any failure: bad signature, expired,
+        wrong issuer or audience, unknown key, an algorithm we do not accept)."""
+        import jwt
+
+        try:
+            claims = jwt.decode(
+                token, self._key(token), algorithms=JWT_ALGORITHMS, audience=self.audience,
+                issuer=self.issuer, options={"require": ["exp", "iss", "aud"]},
+            )  # fmt: skip
+        except (jwt.PyJWTError, ValueError, KeyError):
+            return None
+        user = claims.get(self.user_claim)
+        raw = claims.get(self.scopes_claim, [])
+        values = raw.split() if isinstance(raw, str) else raw if isinstance(raw, list) else []
+        scopes = {v[len(SCOPE_PREFIX):] for v in values
+                  if isinstance(v, str) and v.startswith(SCOPE_PREFIX)}  # fmt: skip
+        scopes &= set(SCOPES)
+        if not isinstance(user, str) or not user or not scopes:
+            return None
+        return Principal(name=user, scopes=frozenset(scopes), via="jwt")
+
+
+def looks_like_jwt(token: str) -> bool:
+    return token.count(".") == 2 and token.startswith("eyJ")

@@ -31,6 +31,20 @@ class Settings(BaseSettings):
         description="YAML file of users, their scopes, roots, quotas and hashed tokens "
         "(reshard-server token add); read again whenever it changes",
     )
+    jwt_issuer: str = Field(
+        default="", description="accept bearer JWTs from this issuer (iss); empty: no JWTs"
+    )
+    jwt_audience: str = Field(default="", description="the JWTs' required audience (aud)")
+    jwt_jwks: str = Field(
+        default="",
+        description="the issuer's signing keys: a JWKS file, or an https URL (fetched, cached)",
+    )
+    jwt_user_claim: str = Field(default="sub", description="the claim naming the user")
+    jwt_scopes_claim: str = Field(
+        default="scope",
+        description="the claim holding scopes (a space-separated string or a list); values "
+        "'reshard:read', 'reshard:submit', 'reshard:cancel', 'reshard:admin' map to scopes",
+    )
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated Host names the server answers to, besides localhost, "

@@ -178,7 +178,15 @@ def main(argv: list[str] | None = None) -> None:
         problem = AuthFile(settings.auth_file).error
         if problem:
             _fail(f"RESHARD_AUTH_FILE: {problem}")
-    elif not settings.token:
+    if settings.jwt_issuer:
+        from reshard_server.auth import JwtVerifier
+
+        try:
+            JwtVerifier(settings.jwt_issuer, settings.jwt_audience, settings.jwt_jwks,
+                        settings.jwt_user_claim, settings.jwt_scopes_claim)  # fmt: skip
+        except Exception as e:  # a missing or malformed JWKS: say so, no traceback
+            _fail(f"RESHARD_JWT_*: {e}")
+    if not (settings.auth_file or settings.token or settings.jwt_issuer):
         log.warning("RESHARD_TOKEN and RESHARD_AUTH_FILE are empty: every API call will be "
                     "refused")  # fmt: skip
     if not settings.roots:

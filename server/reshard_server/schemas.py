@@ -263,13 +263,13 @@ class ProgressPublic(BaseModel):
 
 class JobPublic(BaseModel):
     id: str
-    owner: str = Field(default="", description="the user that submitted it")
     state: JobState
     spec: JobCreate
     source: str
     target: str
     progress: ProgressPublic
     throughput_bytes_per_s: float | None = None
+    owner: str = Field(default="", description="the user that submitted it")
     error: str | None = None
     reason: str | None = Field(
         default=None,

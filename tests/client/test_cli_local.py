@@ -268,3 +268,40 @@ def test_verify_says_when_nothing_was_hashed(tmp_path):
     report = json.loads(reshard("verify", str(hf), "--json").stdout)
     assert report["ok"] and not report["complete"]
     assert report["bytes_unchecked"] == os.path.getsize(hf / "model.safetensors")
+
+
+def test_inspect_layout_draws_each_box_with_its_holders(tmp_path):
+    """``inspect --layout``: the picture's cells cover the tensor with its boxes, each with
+    its holders' mesh coordinates, replicas named; on a 3-D mesh and for a tensor whose
+    layout is not recorded; an unknown tensor is a one-line error."""
+    from reshard_svc.layout import Layout
+
+    plain = str(tmp_path / "plain")
+    g = torch.Generator().manual_seed(0)
+    reshard_svc.save({"w": torch.randn(12, 40, generator=g), "n": torch.randn(40, generator=g),
+                      "e": torch.randn(4, 6, 8, generator=g)}, plain)  # fmt: skip
+    rules = {"w": "S(0),S(1),R", "n": "R,S(0),R", "e": "S(2),R,S(0)"}
+    ck = str(tmp_path / "3d")
+    reshard_svc.convert(plain, ck, mesh="pp=2,dp=2,tp=2", rules=rules)
+    for name, shape in (("w", (12, 40)), ("n", (40,)), ("e", (4, 6, 8))):
+        r = reshard("inspect", ck, "--layout", name, "--json")
+        assert r.returncode == 0, r.stderr
+        pic = json.loads(r.stdout)
+        want = Layout.parse("pp=2,dp=2,tp=2", rules[name]).write_items(shape, 4)
+        got = {(tuple(b["offsets"]), tuple(b["sizes"])): b for b in pic["boxes"]}
+        assert set(got) == {(it.box.offsets, it.box.sizes) for it in want}
+        for it in want:
+            b = got[(it.box.offsets, it.box.sizes)]
+            assert b["holders"] == list(it.holders)
+            assert b["coords"][0] == dict(zip(("pp", "dp", "tp"),
+                                             Layout.parse("pp=2,dp=2,tp=2", "R,R,R").mesh.coordinate(it.holders[0])))  # fmt: skip
+        cells = {k for row in pic["grid"] for k in row}
+        assert -1 not in cells and cells <= set(range(len(pic["boxes"])))
+    drawn = reshard("inspect", ck, "--layout", "n")
+    assert drawn.returncode == 0 and "replicas" in drawn.stdout, drawn.stderr
+    plain_pic = json.loads(reshard("inspect", plain, "--layout", "w", "--json").stdout)
+    assert plain_pic["layout"] is None and plain_pic["boxes"][0]["file"]
+    bad = reshard("inspect", ck, "--layout", "nope")
+    assert (
+        bad.returncode == 2 and "no tensor 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    )

@@ -221,3 +221,96 @@ def test_auth_file_is_checked_and_a_broken_one_refuses_everyone(tmp_path):
     assert r.returncode == 1 and "unknown scope(s) fly" in r.stderr and "Traceback" not in r.stderr
     r = token_cli(tmp_path / "new.yaml", "revoke", "nope")
     assert r.returncode == 1 and "no token with id 'nope'" in r.stderr
+
+
+def test_jwts_from_an_identity_provider(tmp_path, make_server):
+    """Tokens signed by the test's own RSA key (JWKS file): a valid one maps its scope
+    claim to scopes; expired, wrong issuer or audience, unknown key id, ``alg: none`` and
+    HS256 signed with the public key are all refused."""
+    import json
+
+    import jwt
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key()))
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [{**jwk, "kid": "k1", "use": "sig", "alg": "RS256"}]}))
+    iss, aud = "https://idp.example", "reshard"
+    server = make_server(jwt_issuer=iss, jwt_audience=aud, jwt_jwks=str(jwks))
+    now = int(time.time())
+    good = {"iss": iss, "aud": aud, "sub": "erin", "exp": now + 300,
+            "scope": "openid reshard:read reshard:submit"}  # fmt: skip
+
+    def sign(claims: dict, k=key, kid: str = "k1", alg: str = "RS256") -> str:
+        return jwt.encode(claims, k, algorithm=alg, headers={"kid": kid})
+
+    def status(token: str) -> int:
+        return httpx.get(f"{server.url}/v1/jobs",
+                         headers={"Authorization": f"Bearer {token}"}).status_code  # fmt: skip
+
+    erin = ReshardClient(server.url, sign(good))
+    assert erin.list().total == 0
+    with pytest.raises(Forbidden, match="'cancel'"):
+        erin.cancel("nope")
+    assert status(sign({**good, "scope": "openid"})) == 401  # no reshard scope at all
+    assert status(sign({**good, "exp": now - 10})) == 401
+    assert status(sign({**good, "iss": "https://evil.example"})) == 401
+    assert status(sign({**good, "aud": "someone-else"})) == 401
+    assert status(sign(good, kid="k2")) == 401
+    assert status(sign(good, k=other)) == 401  # right kid, wrong key
+    unsigned = jwt.encode(good, None, algorithm="none", headers={"kid": "k1"})
+    assert status(unsigned) == 401
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    import base64
+    import hashlib
+    import hmac as hmac_
+
+    def b64(b: bytes) -> str:
+        return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+    head = b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "k1"}).encode())
+    body = b64(json.dumps(good).encode())
+    sig = hmac_.new(public_pem, f"{head}.{body}".encode(), hashlib.sha256).digest()
+    assert status(f"{head}.{body}.{b64(sig)}") == 401  # HS256 keyed with the public key
+    assert status(sign(good)) == 200
+
+
+def test_readme_users_block(tmp_path, make_server):
+    """The README's users block, line by line, as written (paths moved under tmp)."""
+    import json
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    found = re.search(r"<!-- users:start -->\s*```bash\n(.*?)```", readme, re.S)
+    assert found, "README lost its users block"
+    auth = tmp_path / "users.yaml"
+    env = {**os.environ, "RESHARD_TOKEN": TOKEN}
+    bindir = Path(sys.executable).parent
+    for line in found.group(1).strip().splitlines():
+        line = line.split("  #")[0].strip()
+        if line.startswith("reshard ") and "RESHARD_URL" not in env:  # the server, by now
+            env["RESHARD_URL"] = make_server(auth_file=str(auth)).url
+        line = line.replace("/etc/reshard/users.yaml", str(auth))
+        line = line.replace("/data/alice", str(tmp_path / "data" / "alice"))
+        if "TOKEN_ID" in line:
+            listed = json.loads(subprocess.run(
+                [str(bindir / "reshard-server"), "token", "list", "--json"], env=env,
+                capture_output=True, text=True, check=True).stdout)  # fmt: skip
+            line = line.replace("TOKEN_ID", next(u for u in listed if u["user"] == "alice")
+                                ["tokens"][0]["id"])  # fmt: skip
+        if line.startswith("export "):
+            name, value = line.removeprefix("export ").split("=", 1)
+            env[name] = value
+            continue
+        r = subprocess.run(["bash", "-c", line], env={**env, "PATH": f"{bindir}:{env['PATH']}"},
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 0, (line, r.stderr)
+    assert "alice" in auth.read_text() and "oncall" in auth.read_text()
+    assert '"tokens": []' in subprocess.run(
+        [str(bindir / "reshard-server"), "token", "list", "--json"], env=env,
+        capture_output=True, text=True).stdout  # fmt: skip

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from reshard_server.auth import ADMIN, AuthFile, Principal
+from reshard_server.auth import ADMIN, AuthFile, JwtVerifier, Principal, looks_like_jwt
 from reshard_server.config import Settings
 from reshard_server.db import JobStore
 from reshard_server.jobs import JobManager
@@ -46,6 +46,11 @@ def authenticate(
     if given:
         if settings.token and hmac.compare_digest(given.encode(), settings.token.encode()):
             return Principal(ADMIN, frozenset({ADMIN}), via="shared-token")
+        verifier: JwtVerifier | None = request.app.state.jwt
+        if verifier is not None and looks_like_jwt(given):
+            who = verifier.verify(given)
+            if who is not None:
+                return who
         auth: AuthFile | None = request.app.state.auth
         if auth is not None:
             who = auth.authenticate(given)
