@@ -14,7 +14,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reshard_server.admission import Refused, admit
-from reshard_server.api.routes import audit, checkpoints, health, jobs, plans, watches
+from reshard_server.api.routes import audit, checkpoints, health, jobs, plans, ui, watches
 from reshard_server.auth import ADMIN, AuthFile, JwtVerifier, Principal
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, ServerLock
@@ -219,6 +219,7 @@ def create_app(
     app.include_router(watches.router)
     app.include_router(plans.router)
     app.include_router(audit.router)
+    app.include_router(ui.router)
     app.add_middleware(CountRequests, metrics=app.state.metrics)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(HostGuard, allowed=allowed_hosts(settings))

@@ -47,3 +47,38 @@ async def inspect_checkpoint(
     except StorageError as e:
         raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"storage error: {e}") from None
     return describe_index(index, uri)
+
+
+@router.get("/layout")
+async def checkpoint_layout(
+    settings: SettingsDep,
+    who: Annotated[Principal, require("read")],
+    uri: Annotated[str, Query(min_length=1, max_length=4096)],
+    tensor: Annotated[str, Query(min_length=1, max_length=4096)],
+    rows: Annotated[int, Query(ge=1, le=256)] = 32,
+    cols: Annotated[int, Query(ge=1, le=256)] = 64,
+) -> dict[str, Any]:
+    """One tensor's layout as a picture's data (what ``reshard inspect --layout`` draws):
+    a grid of box indices over dims 0 and 1, and each box with its holders and their mesh
+    coordinates."""
+    from reshard_svc import inspect
+    from reshard_svc.format.picture import layout_picture
+
+    try:
+        path = check_readable(uri, settings, who)
+    except Refused as e:
+        raise HTTPException(e.status, e.detail) from None
+    try:
+        index = await run_in_threadpool(inspect, path)
+    except NotACheckpointError as e:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from None
+    except (CheckpointError, UnsafePickleError) as e:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_ENTITY, f"{type(e).__name__}: {e}"
+        ) from None
+    except StorageError as e:
+        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"storage error: {e}") from None
+    meta = index.tensors.get(tensor)
+    if meta is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tensor {tensor!r} in {uri}")
+    return layout_picture(meta, rows, cols)

@@ -52,7 +52,7 @@ def to_public(job: JobRow) -> JobPublic:
         progress=progress,
         throughput_bytes_per_s=throughput,
         error=job.error,
-        reason=job.reason,
+        reason=job.reason if job.state == "queued" else None,
         attempts=job.attempts,
         engine=job.engine,
         handle=job.handle,
