@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from reshard_svc.errors import UsageError
@@ -31,6 +31,8 @@ __all__ = ["DryRun", "Spread", "dry_run"]
 
 #: the most workers a dry run plans for
 MAX_DRY_RUN_WORLD = 65536
+#: the most workers whose own figures a dry run lists (beyond: max and mean only)
+PER_WORKER_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class DryRun:
     received: Spread
     peak_memory: Spread
     plan_s: float
+    #: each worker's bytes read, sent and received, in rank order (for up to
+    #: PER_WORKER_MAX workers; empty beyond)
+    per_worker: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -122,4 +127,6 @@ def _report(mode: str, source: str, plan: ReadPlan, budget: int, started: float)
         read=Spread.of(plan.bytes_read()), sent=Spread.of(plan.bytes_sent()),
         received=Spread.of(plan.bytes_received()), peak_memory=Spread.of(plan.peak_use()),
         plan_s=round(time.perf_counter() - started, 3),
+        per_worker={"read": plan.bytes_read(), "sent": plan.bytes_sent(),
+                    "received": plan.bytes_received()} if plan.world <= PER_WORKER_MAX else {},
     )  # fmt: skip

@@ -64,7 +64,9 @@ def test_dashboard_jobs_cancel_and_layout(browser, tmp_path, make_server):
     page.wait_for_selector("#job-state.state-succeeded", timeout=120_000)
     assert page.locator("#job-progress [role=progressbar]").get_attribute("aria-valuenow") == "100"
     assert '"tp": 2' in page.inner_text("#job-spec")
-    page.wait_for_function("document.querySelector('#job-logs').textContent.length > 0")
+    page.wait_for_selector("#job-logs:not(:empty)")
+    page.wait_for_selector("#worker-table")  # where each worker reads and what it sends
+    assert page.locator("#worker-table tr").count() == 1 + 1  # workers=1: one rank
     page.screenshot(path=str(tmp_path / "job.png"), full_page=True)
 
     # cancel alice's waiting job, confirming

@@ -100,6 +100,12 @@ async function jobView(view, id) {
   const detail = el("p", { id: "job-detail", class: "muted" });
   const cancel = el("button", { id: "cancel", type: "button" }, "Cancel");
   const logs = el("pre", { id: "job-logs" }, "");
+  const workers = el("div", { id: "job-workers", class: "muted" }, "planning…");
+  // where each worker reads and what it sends: the server's dry run of the same spec
+  const { source: planSource, target: _target, ...options } = job.spec;
+  api("/v1/plans", { method: "POST", body: JSON.stringify({ ...options, source: planSource }) })
+    .then((plan) => workers.replaceChildren(workerTable(plan)))
+    .catch((e) => { workers.textContent = `no plan: ${e.message}`; });
   const show = (j) => {
     state.textContent = j.reason ? `${j.state} (${j.reason})` : j.state;
     state.className = `state-${j.state}`;
@@ -118,6 +124,7 @@ async function jobView(view, id) {
   view.replaceChildren(
     el("h1", {}, `Job ${id}`),
     el("p", {}, "State: ", state, "  ", progress, "  ", cancel), detail,
+    el("h2", {}, "Workers (planned)"), workers,
     el("h2", {}, "Log (tail)"), logs,
     el("h2", {}, "Spec"), el("pre", { id: "job-spec" }, JSON.stringify(job.spec, null, 2)));
   show(job);
@@ -154,6 +161,17 @@ function layoutText(layout) {
   if (!layout || !layout.mesh) return "-";
   const names = layout.mesh.names || layout.mesh.shape.map((_, i) => `d${i}`);
   return `${names.map((n, i) => `${n}=${layout.mesh.shape[i]}`).join(",")} | ${(layout.placements || []).join(",")}`;
+}
+
+function workerTable(plan) {
+  const per = plan.per_worker || {};
+  const head = el("tr", {}, ...["worker", "reads from storage", "sends", "receives"].map((h) => el("th", {}, h)));
+  const rows = (per.read || []).map((_, w) => el("tr", {}, el("td", {}, `rank ${w}`),
+    el("td", {}, size(per.read[w])), el("td", {}, size(per.sent[w])), el("td", {}, size(per.received[w]))));
+  return el("div", {},
+    el("p", {}, `${plan.world} workers, strategy ${plan.strategy}, ${plan.waves} wave(s), ${plan.storage_requests} storage requests; ` +
+      `peak in flight ${size(plan.peak_memory.max)} per worker (budget ${size(plan.budget)})`),
+    el("table", { id: "worker-table" }, head, ...rows));
 }
 
 function colour(k) { return `hsl(${(k * 137.508) % 360}, 62%, 45%)`; }
