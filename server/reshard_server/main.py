@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # a missing or malformed JWKS: say so, no traceback
             _fail(f"RESHARD_JWT_*: {e}")
     if not (settings.auth_file or settings.token or settings.jwt_issuer):
-        log.warning("RESHARD_TOKEN and RESHARD_AUTH_FILE are empty: every API call will be "
-                    "refused")  # fmt: skip
+        log.warning("RESHARD_TOKEN is empty and neither RESHARD_AUTH_FILE nor "
+                    "RESHARD_JWT_ISSUER is set: every API call will be refused")  # fmt: skip
     if not settings.roots:
         log.warning(
             "RESHARD_ROOTS is empty: every job will be refused; set the comma-separated "

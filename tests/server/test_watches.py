@@ -192,6 +192,7 @@ def test_a_crash_between_submitting_and_recording_a_step_makes_no_second_job(tmp
     """The server dies after a step's job is stored but before the step is recorded: the
     next scan finds the same job by its idempotency key."""
     from reshard_server.admission import admit
+    from reshard_server.auth import ADMIN, Principal
     from reshard_server.config import Settings
     from reshard_server.db import JobStore
     from reshard_server.schemas import WatchCreate
@@ -202,7 +203,10 @@ def test_a_crash_between_submitting_and_recording_a_step_makes_no_second_job(tmp
     store = JobStore(settings.db)
     spec = WatchCreate(root=str(root), target=str(tmp_path / "out-{step}"))
     watch = store.create_watch(spec.model_dump(mode="json", exclude_none=True), {})
-    watcher = Watcher(settings, store, lambda job, key: admit(job, settings, store, 1, key)[0])
+    admin = Principal(ADMIN, frozenset({ADMIN}))
+    watcher = Watcher(
+        settings, store, lambda job, key, owner: admit(job, settings, store, 1, key, admin)[0]
+    )
     with CheckpointManager(str(root), async_save=False) as mgr:
         mgr.save(3, weights(3))
     real = store.record_step

@@ -17,7 +17,9 @@ router = APIRouter(prefix="/v1/audit", tags=["audit"], dependencies=[require("ad
 def audit_log(
     store: StoreDep,
     principal: Annotated[str | None, Query(max_length=200, description="one user's")] = None,
-    before: Annotated[int | None, Query(ge=1, description="entries older than this seq")] = None,
+    before: Annotated[
+        int | None, Query(ge=1, le=2**62, description="entries older than this seq")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> AuditList:
     """The audit log, newest first. Tokens never appear in it."""
