@@ -283,10 +283,11 @@ def test_inspect_layout_draws_each_box_with_its_holders(tmp_path):
     rules = {"w": "S(0),S(1),R", "n": "R,S(0),R", "e": "S(2),R,S(0)"}
     ck = str(tmp_path / "3d")
     reshard_svc.convert(plain, ck, mesh="pp=2,dp=2,tp=2", rules=rules)
+    from reshard_svc.format.picture import layout_picture
+
+    index = reshard_svc.inspect(ck)
     for name, shape in (("w", (12, 40)), ("n", (40,)), ("e", (4, 6, 8))):
-        r = reshard("inspect", ck, "--layout", name, "--json")
-        assert r.returncode == 0, r.stderr
-        pic = json.loads(r.stdout)
+        pic = layout_picture(index.tensors[name])  # what --layout --json prints
         want = Layout.parse("pp=2,dp=2,tp=2", rules[name]).write_items(shape, 4)
         got = {(tuple(b["offsets"]), tuple(b["sizes"])): b for b in pic["boxes"]}
         assert set(got) == {(it.box.offsets, it.box.sizes) for it in want}
@@ -301,6 +302,7 @@ def test_inspect_layout_draws_each_box_with_its_holders(tmp_path):
     assert drawn.returncode == 0 and "replicas" in drawn.stdout, drawn.stderr
     plain_pic = json.loads(reshard("inspect", plain, "--layout", "w", "--json").stdout)
     assert plain_pic["layout"] is None and plain_pic["boxes"][0]["file"]
+    assert plain_pic["grid"] and plain_pic["dims_drawn"] == [0, 1]
     bad = reshard("inspect", ck, "--layout", "nope")
     assert (
         bad.returncode == 2 and "no tensor 'nope'" in bad.stderr and "Traceback" not in bad.stderr
