@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, status
 from starlette.concurrency import run_in_threadpool
@@ -10,12 +10,16 @@ from starlette.concurrency import run_in_threadpool
 from reshard_server.admission import Refused, check_readable
 from reshard_server.api.deps import SettingsDep, require
 from reshard_server.auth import Principal
+from reshard_server.config import Settings
 from reshard_svc.errors import (
     CheckpointError,
     NotACheckpointError,
     StorageError,
     UnsafePickleError,
 )
+
+if TYPE_CHECKING:  # the index module imports torch; the server imports it on first use
+    from reshard_svc.format.index import CheckpointIndex
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
@@ -27,15 +31,23 @@ async def inspect_checkpoint(
     uri: Annotated[str, Query(min_length=1, max_length=4096)],
 ) -> dict[str, Any]:
     """Tensors (dtype, shape, layout, chunks), files and extras of a checkpoint."""
-    from reshard_svc import inspect
     from reshard_svc.format.inspection import describe_index
+
+    return describe_index(await _open(uri, settings, who), uri)
+
+
+async def _open(uri: str, settings: Settings, who: Principal) -> CheckpointIndex:
+    """The index of the checkpoint at ``uri``, if ``who`` may read there; else the HTTP
+    error that says why (403 outside the roots or an unsafe pickle, 404 not a checkpoint,
+    422 a broken one, 502 storage)."""
+    from reshard_svc import inspect
 
     try:
         path = check_readable(uri, settings, who)
     except Refused as e:
         raise HTTPException(e.status, e.detail) from None
     try:
-        index = await run_in_threadpool(inspect, path)
+        return await run_in_threadpool(inspect, path)
     except NotACheckpointError as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from None
     except UnsafePickleError as e:
@@ -46,7 +58,6 @@ async def inspect_checkpoint(
         ) from None
     except StorageError as e:
         raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"storage error: {e}") from None
-    return describe_index(index, uri)
 
 
 @router.get("/layout")
@@ -61,23 +72,9 @@ async def checkpoint_layout(
     """One tensor's layout as a picture's data (what ``reshard inspect --layout`` draws):
     a grid of box indices over dims 0 and 1, and each box with its holders and their mesh
     coordinates."""
-    from reshard_svc import inspect
     from reshard_svc.format.picture import layout_picture
 
-    try:
-        path = check_readable(uri, settings, who)
-    except Refused as e:
-        raise HTTPException(e.status, e.detail) from None
-    try:
-        index = await run_in_threadpool(inspect, path)
-    except NotACheckpointError as e:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from None
-    except (CheckpointError, UnsafePickleError) as e:
-        raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_ENTITY, f"{type(e).__name__}: {e}"
-        ) from None
-    except StorageError as e:
-        raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"storage error: {e}") from None
+    index = await _open(uri, settings, who)
     meta = index.tensors.get(tensor)
     if meta is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tensor {tensor!r} in {uri}")
