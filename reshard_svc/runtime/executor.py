@@ -365,7 +365,11 @@ def execute(
         step.exchange()
 
         if w.relays:  # first round landed and the stripes to forward packed, everywhere
-            comm.run_everywhere(f"{what}: relaying", lambda step=step: step.land(dest, verify))
+
+            def relaying(step: _Step = step) -> None:
+                step.land(dest, verify)
+
+            comm.run_everywhere(f"{what}: relaying", relaying)
             step.exchange()  # the second round
 
         def land(step: _Step = step) -> dict[str, Any]:

@@ -387,7 +387,8 @@ class JobStore:
         self, limit: int, before: int | None = None, principal: str | None = None
     ) -> builtins.list[AuditRow]:
         """Audit lines newest first (``before``: a seq, for paging)."""
-        conds, args = [], []
+        conds: builtins.list[str] = []
+        args: builtins.list[Any] = []
         if before is not None:
             conds.append("seq<?")
             args.append(before)

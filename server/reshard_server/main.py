@@ -130,9 +130,9 @@ def token_main(argv: list[str]) -> None:
                 sys.stdout.write(json.dumps(rows, indent=2) + "\n")
                 return
             for r in rows:
-                roots = ",".join(r["roots"]) if r["roots"] is not None else "(all roots)"
+                shown = ",".join(r["roots"]) if r["roots"] is not None else "(all roots)"
                 ids = ",".join(t["id"] for t in r["tokens"]) or "(no tokens)"
-                sys.stdout.write(f"{r['user']}\t{','.join(r['scopes'])}\t{roots}\t"
+                sys.stdout.write(f"{r['user']}\t{','.join(r['scopes'])}\t{shown}\t"
                                  f"running={r['max_running']}\tqueued={r['max_queued']}\t"
                                  f"tokens={ids}\n")  # fmt: skip
         else:
