@@ -49,8 +49,9 @@ def users(tmp_path, make_server):
         (data / who).mkdir(parents=True)
     auth = tmp_path / "auth.yaml"
     tokens = {
-        "alice": add_user(auth, "alice", "--roots", str(data / "alice"), "--max-queued", "2",
-                          "--max-running", "0"),  # fmt: skip
+        "alice": add_user(
+            auth, "alice", "--roots", str(data / "alice"), "--max-queued", "2", "--max-running", "0"
+        ),  # fmt: skip
         "bob": add_user(auth, "bob", "--roots", str(data / "bob")),
         "viewer": add_user(auth, "viewer", "--scopes", "read"),
     }
@@ -186,7 +187,9 @@ def test_host_and_origin_guards(server):
     base = server.url
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert httpx.get(f"{base}/v1/jobs", headers={**auth, "Host": "evil.example"}).status_code == 421
-    assert httpx.get(f"{base}/healthz", headers={"Host": "evil.example:80"}).status_code == 421
+    assert httpx.get(f"{base}/v1/me", headers={**auth, "Host": "10.1.2.3:8000"}).status_code == 421
+    # a kubelet probes /healthz by pod IP: that one answers any Host
+    assert httpx.get(f"{base}/healthz", headers={"Host": "10.1.2.3:8000"}).status_code == 200
     r = httpx.post(f"{base}/v1/jobs", json={}, headers={**auth, "Origin": "https://evil.example"})
     assert r.status_code == 403 and "cross-site" in r.text
     r = httpx.post(f"{base}/v1/jobs", json={}, headers={**auth, "Origin": "null"})
