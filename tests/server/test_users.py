@@ -123,6 +123,11 @@ def test_each_user_sees_and_touches_only_their_own(users, tmp_path):
     assert r.returncode == 0, r.stderr
     with pytest.raises(Unauthorized):
         bob.list()
+    for _ in range(20):  # a flood of bad tokens: refused, and audited once per address
+        assert httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer x"}
+                         ).status_code == 401  # fmt: skip
+    refusals = [e for e in server.client().audit(limit=1000).items if e.action == "authenticate"]
+    assert 1 <= len(refusals) <= 2
     listed = token_cli(auth, "list", "--json")
     assert '"bob"' in listed.stdout and bob_id not in listed.stdout
 

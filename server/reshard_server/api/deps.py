@@ -4,6 +4,8 @@ auth, :mod:`reshard_server.auth`), scope checks and the audit log."""
 from __future__ import annotations
 
 import hmac
+import threading
+import time
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
@@ -56,13 +58,32 @@ def authenticate(
             who = auth.authenticate(given)
             if who is not None:
                 return who
-    audit(request, None, "authenticate", request.url.path, "refused", 401)
+    address = request.client.host if request.client else ""
+    if _unthrottled(address):  # a flood of bad tokens does not flood the audit log
+        audit(request, None, "authenticate", request.url.path, "refused", 401)
     raise HTTPException(
         status.HTTP_401_UNAUTHORIZED,
         "missing, wrong or revoked bearer token (set RESHARD_TOKEN on the client to a token "
         "the server's operator gave you)",
         headers={"WWW-Authenticate": "Bearer"},
     )
+
+
+#: refused tokens are audited at most once per address per this many seconds
+REFUSAL_AUDIT_INTERVAL_S = 10.0
+_last_refusal: dict[str, float] = {}
+_refusal_lock = threading.Lock()
+
+
+def _unthrottled(address: str) -> bool:
+    now = time.monotonic()
+    with _refusal_lock:
+        if now - _last_refusal.get(address, -1e9) < REFUSAL_AUDIT_INTERVAL_S:
+            return False
+        if len(_last_refusal) > 10_000:  # forget old addresses, bounded memory
+            _last_refusal.clear()
+        _last_refusal[address] = now
+        return True
 
 
 PrincipalDep = Annotated[Principal, Depends(authenticate)]
