@@ -252,6 +252,14 @@ class WatchRow:
         )  # fmt: skip
 
 
+def _where(*conds: tuple[str, Any]) -> tuple[str, list[Any]]:
+    """A WHERE clause of the ``(condition, value)`` pairs whose value is not None."""
+    kept = [(c, v) for c, v in conds if v is not None]
+    if not kept:
+        return "", []
+    return "WHERE " + " AND ".join(c for c, _ in kept), [v for _, v in kept]
+
+
 class JobStore:
     """Thread-safe access to the jobs table (and the watches that submit jobs)."""
 
@@ -336,14 +344,7 @@ class JobStore:
         self, state: str | None, limit: int, offset: int, owner: str | None = None
     ) -> tuple[builtins.list[JobRow], int]:
         """Jobs newest first, in ``state`` and of ``owner`` when given; and how many."""
-        conds, args = [], []
-        if state:
-            conds.append("state=?")
-            args.append(state)
-        if owner is not None:
-            conds.append("owner=?")
-            args.append(owner)
-        where = f"WHERE {' AND '.join(conds)}" if conds else ""
+        where, args = _where(("state=?", state or None), ("owner=?", owner))
         with self._lock:
             (total,) = self._db.execute(f"SELECT COUNT(*) FROM jobs {where}", args).fetchone()
             rows = self._db.execute(
@@ -387,15 +388,7 @@ class JobStore:
         self, limit: int, before: int | None = None, principal: str | None = None
     ) -> builtins.list[AuditRow]:
         """Audit lines newest first (``before``: a seq, for paging)."""
-        conds: builtins.list[str] = []
-        args: builtins.list[Any] = []
-        if before is not None:
-            conds.append("seq<?")
-            args.append(before)
-        if principal is not None:
-            conds.append("principal=?")
-            args.append(principal)
-        where = f"WHERE {' AND '.join(conds)}" if conds else ""
+        where, args = _where(("seq<?", before), ("principal=?", principal))
         with self._lock:
             rows = self._db.execute(
                 f"SELECT * FROM audit {where} ORDER BY seq DESC LIMIT ?", (*args, limit)

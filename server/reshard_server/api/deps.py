@@ -120,3 +120,21 @@ def audit(
         return
     address = request.client.host if request.client else ""
     store.audit(who.name if who else "", action, target, outcome, code, detail, address)
+
+
+def visible_or_404(
+    row: Any,
+    who: Principal,
+    what: str,
+    ident: str,
+    request: Request | None = None,
+    action: str = "",
+) -> Any:
+    """``row`` (a job or watch) if ``who`` may see it: their own, or any for an admin.
+    Otherwise 404, the same answer as for one that does not exist (audited as a refused
+    ``action`` when given)."""
+    if row is None or not (who.admin or row.owner == who.name):
+        if request is not None and action:
+            audit(request, who, action, f"{what} {ident}", "refused", 404)
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no {what} {ident!r}")
+    return row

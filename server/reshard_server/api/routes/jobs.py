@@ -14,7 +14,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from reshard_server.admission import Refused, admit
-from reshard_server.api.deps import ManagerDep, SettingsDep, StoreDep, audit, require
+from reshard_server.api.deps import (
+    ManagerDep,
+    SettingsDep,
+    StoreDep,
+    audit,
+    require,
+    visible_or_404,
+)
 from reshard_server.auth import Principal
 from reshard_server.db import JobRow
 from reshard_server.jobs import token_hash
@@ -65,10 +72,7 @@ def to_public(job: JobRow) -> JobPublic:
 def _job_or_404(store: StoreDep, job_id: str, who: Principal) -> JobRow:
     """The job, if ``who`` may see it (their own, or any for an admin); else 404, the same
     answer as for a job that does not exist."""
-    job = store.get(job_id)
-    if job is None or not (who.admin or job.owner == who.name):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
-    return job
+    return visible_or_404(store.get(job_id), who, "job", job_id)  # type: ignore[no-any-return]
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobPublic)
@@ -125,11 +129,7 @@ def cancel_job(
     store: StoreDep, manager: ManagerDep, request: Request, who: Canceller, job_id: str
 ) -> JobPublic:
     """Cancel: a queued job at once; a running one gets SIGTERM, SIGKILL after the grace."""
-    try:
-        _job_or_404(store, job_id, who)
-    except HTTPException:
-        audit(request, who, "cancel", f"job {job_id}", "refused", 404)
-        raise
+    visible_or_404(store.get(job_id), who, "job", job_id, request, "cancel")
     job = manager.cancel(job_id)
     audit(request, who, "cancel", f"job {job_id}", "ok")
     return to_public(job)  # type: ignore[arg-type]

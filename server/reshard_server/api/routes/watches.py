@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Request, status
 
 from reshard_server.admission import Refused
-from reshard_server.api.deps import SettingsDep, StoreDep, audit, require
+from reshard_server.api.deps import SettingsDep, StoreDep, audit, require, visible_or_404
 from reshard_server.auth import Principal
 from reshard_server.db import WatchExists, WatchRow
 from reshard_server.schemas import WatchCreate, WatchList, WatchPublic
@@ -24,10 +24,7 @@ def to_public(watch: WatchRow, store: StoreDep) -> WatchPublic:
 
 
 def _watch_or_404(store: StoreDep, watch_id: str, who: Principal) -> WatchRow:
-    watch = store.get_watch(watch_id)
-    if watch is None or not (who.admin or watch.owner == who.name):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no watch {watch_id!r}")
-    return watch
+    return visible_or_404(store.get_watch(watch_id), who, "watch", watch_id)  # type: ignore[no-any-return]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=WatchPublic)
@@ -87,11 +84,7 @@ def stop_watch(
     watch_id: str,
 ) -> WatchPublic:
     """Stop a watch: no new jobs; the jobs it submitted run on (``reshard cancel`` them)."""
-    try:
-        _watch_or_404(store, watch_id, who)
-    except HTTPException:
-        audit(request, who, "unwatch", f"watch {watch_id}", "refused", 404)
-        raise
+    visible_or_404(store.get_watch(watch_id), who, "watch", watch_id, request, "unwatch")
     store.stop_watch(watch_id)
     audit(request, who, "unwatch", f"watch {watch_id}", "ok")
     return to_public(_watch_or_404(store, watch_id, who), store)
