@@ -1,0 +1,102 @@
+"""Element-wise deltas (``reshard_svc.runtime.delta``): bitwise, in the smallest encoding.
+
+Random pieces of every dtype a checkpoint holds, random changes at densities from none to
+all, with NaN payloads, -0.0 and denormals among the changed values: patching the old
+piece with the delta gives the new one bit for bit, and the encoding is never larger than
+the raw piece."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reshard_svc.errors import UsageError
+from reshard_svc.runtime.delta import Encoding, apply, changed, encode
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,
+          torch.int64, torch.int32, torch.uint8, torch.bool]  # fmt: skip
+
+
+def as_int(t: torch.Tensor) -> torch.Tensor:
+    size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(size) if t.dtype != torch.bool else t.view(torch.uint8)
+
+
+def piece(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),),
+                        generator=g, dtype=torch.uint8)  # fmt: skip
+    if dtype == torch.bool:
+        return raw.remainder(2).to(torch.bool)
+    return raw.view(dtype)  # any bit pattern: NaN payloads, -0.0, denormals included
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
+       density=st.sampled_from([0.0, 0.0001, 0.01, 0.1, 0.3, 0.7, 1.0]), runs=st.booleans())  # fmt: skip
+def test_patching_the_old_piece_gives_the_new_one_bitwise(dtype, n, seed, density, runs):
+    old = piece(dtype, n, seed)
+    new = old.clone()
+    g = torch.Generator().manual_seed(seed + 1)
+    if runs:  # changes in a few contiguous runs (rows of a layer)
+        k = int(n * density)
+        start = int(torch.randint(0, max(1, n - k + 1), (1,), generator=g))
+        where = torch.zeros(n, dtype=torch.bool)
+        where[start : start + k] = True
+    else:
+        where = torch.rand(n, generator=g) < density
+    fresh = piece(dtype, n, seed + 2)
+    as_int(new)[where] = as_int(fresh)[where]
+    kind, payload = encode(old, new)
+    assert payload.numel() <= n * old.element_size()  # never worse than the raw piece
+    patched = old.clone()
+    apply(patched, kind, payload)
+    assert torch.equal(as_int(patched), as_int(new))
+    assert int(changed(old, new).sum()) == int((as_int(old) != as_int(new)).sum())
+
+
+def test_the_bits_decide_nan_payloads_signed_zeros_and_denormals():
+    old = torch.tensor([0.0, float("nan"), 1e-40, 1.0])
+    new = old.clone()
+    new[0] = -0.0
+    as_int(new)[1] = as_int(old)[1] ^ 1  # another NaN payload
+    assert changed(old, new).tolist() == [True, True, False, False]
+    kind, payload = encode(old, new)
+    patched = old.clone()
+    apply(patched, kind, payload)
+    assert torch.equal(as_int(patched), as_int(new))
+
+
+def test_sparse_changes_are_small_and_dense_ones_are_raw():
+    old = piece(torch.bfloat16, 1 << 16, 0)
+    new = old.clone()
+    new[::1000] = new[::1000] + 1  # 0.1 %: scattered
+    kind, payload = encode(old, new)
+    assert kind is Encoding.RUNS and payload.numel() < 0.01 * old.numel() * 2
+    new = old.clone()
+    new[::10] = new[::10] + 1  # 10 %: a bitmask beats runs
+    kind, payload = encode(old, new)
+    assert kind is Encoding.MASK
+    dense = old.clone()
+    as_int(dense).bitwise_xor_(1)  # every element's lowest bit
+    kind, payload = encode(old, dense)
+    assert kind is Encoding.RAW and payload.numel() == old.numel() * 2
+    kind, payload = encode(old, old.clone())
+    assert kind is Encoding.RUNS and payload.numel() == 4  # nothing changed: just a count
+
+
+def test_bad_deltas_are_refused_naming_the_problem():
+    old = torch.zeros(8)
+    with pytest.raises(UsageError, match="same shape and dtype"):
+        encode(old, torch.zeros(9))
+    with pytest.raises(UsageError, match="raw delta of 4 bytes"):
+        apply(old, Encoding.RAW, torch.zeros(4, dtype=torch.uint8))
+    bad_runs = torch.tensor([1, 7, 5], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(UsageError, match="outside its piece"):
+        apply(old, Encoding.RUNS, torch.cat([bad_runs, torch.zeros(20, dtype=torch.uint8)]))
+    with pytest.raises(UsageError, match="value bytes"):
+        apply(old, Encoding.MASK, torch.tensor([0b11, 0], dtype=torch.uint8))
+    with pytest.raises(UsageError, match="contiguous"):
+        apply(torch.zeros(4, 4).t(), Encoding.RAW, torch.zeros(64, dtype=torch.uint8))
