@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reshard_server.admission import Refused, admit
 from reshard_server.api.routes import audit, checkpoints, health, jobs, plans, ui, watches
-from reshard_server.auth import ADMIN, AuthFile, JwtVerifier, Principal
+from reshard_server.auth import AuthFile, Principal, jwt_verifier, owner_principal
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, ServerLock
 from reshard_server.jobs import JobManager
@@ -195,23 +195,11 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.settings = settings
-    auth = AuthFile(settings.auth_file, settings.roots) if settings.auth_file else None
-    app.state.auth = auth
-    app.state.jwt = (
-        JwtVerifier(settings.jwt_issuer, settings.jwt_audience, settings.jwt_jwks,
-                    settings.jwt_user_claim, settings.jwt_scopes_claim)
-        if settings.jwt_issuer else None
-    )  # fmt: skip
+    auth = AuthFile(settings.auth_file) if settings.auth_file else None
+    app.state.auth, app.state.jwt = auth, jwt_verifier(settings)
 
     def principal_of(name: str) -> Principal | None:
-        """A watch's owner as they are now (a removed user's watch submits nothing)."""
-        if name in ("", ADMIN):
-            return Principal(ADMIN, frozenset({ADMIN}), via="shared-token")
-        who = auth.user(name) if auth is not None else None
-        if who is None and app.state.jwt is not None and name:
-            # an identity-provider user: their token was valid when they made the watch
-            return Principal(name, frozenset({"submit"}), via="jwt")
-        return who
+        return owner_principal(name, auth, app.state.jwt)
 
     app.state.metrics = Metrics(app.state)
     app.include_router(health.router)

@@ -101,9 +101,8 @@ class _Loaded:
 class AuthFile:
     """The operator's users file: read on first use and again whenever it changes."""
 
-    def __init__(self, path: str, server_roots: list[str] | None = None) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
-        self.server_roots = server_roots
         self._lock = threading.Lock()
         self._loaded = _Loaded()
 
@@ -361,3 +360,23 @@ class JwtVerifier:
 
 def looks_like_jwt(token: str) -> bool:
     return token.count(".") == 2 and token.startswith("eyJ")
+
+
+def jwt_verifier(settings: Any) -> JwtVerifier | None:
+    """The verifier ``RESHARD_JWT_*`` configure, or None when no issuer is set."""
+    if not settings.jwt_issuer:
+        return None
+    return JwtVerifier(settings.jwt_issuer, settings.jwt_audience, settings.jwt_jwks,
+                       settings.jwt_user_claim, settings.jwt_scopes_claim)  # fmt: skip
+
+
+def owner_principal(name: str, auth: AuthFile | None, jwt: JwtVerifier | None) -> Principal | None:
+    """A job's or watch's owner as they are now: the admin, a user of the auth file (None
+    once removed: their watch submits nothing), or an identity-provider user (whose token
+    was valid when they made the watch)."""
+    if name in ("", ADMIN):
+        return Principal(ADMIN, frozenset({ADMIN}), via="shared-token")
+    who = auth.user(name) if auth is not None else None
+    if who is None and jwt is not None:
+        return Principal(name, frozenset({"submit"}), via="jwt")
+    return who

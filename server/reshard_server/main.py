@@ -179,11 +179,10 @@ def main(argv: list[str] | None = None) -> None:
         if problem:
             _fail(f"RESHARD_AUTH_FILE: {problem}")
     if settings.jwt_issuer:
-        from reshard_server.auth import JwtVerifier
+        from reshard_server.auth import jwt_verifier
 
         try:
-            JwtVerifier(settings.jwt_issuer, settings.jwt_audience, settings.jwt_jwks,
-                        settings.jwt_user_claim, settings.jwt_scopes_claim)  # fmt: skip
+            jwt_verifier(settings)
         except Exception as e:  # a missing or malformed JWKS: say so, no traceback
             _fail(f"RESHARD_JWT_*: {e}")
     if not (settings.auth_file or settings.token or settings.jwt_issuer):
