@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import os
 import secrets
 import tempfile
@@ -147,14 +146,10 @@ class AuthFile:
         """The user ``token`` belongs to, or None (unknown, revoked, or the file broken)."""
         loaded = self.current()
         digest = hash_token(token)
+        # looked up by the token's SHA-256, never by the token: timing can tell only about
+        # the digest, which reveals nothing of the secret
         hit = loaded.by_hash.get(digest)
-        if hit is None:
-            return None
-        # the dictionary found the entry by its hash; compare it in constant time anyway
-        for known in (k for k, v in loaded.by_hash.items() if v == hit):
-            if hmac.compare_digest(known, digest):
-                return loaded.users[hit[0]]
-        return None
+        return loaded.users[hit[0]] if hit is not None else None
 
     def user(self, name: str) -> Principal | None:
         """User ``name`` as the file has them now (None once removed)."""
