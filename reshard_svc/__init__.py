@@ -61,6 +61,8 @@ _LAZY = {
     "PlanCache": "reshard_svc.plan.cache",
     "TransferResult": "reshard_svc.runtime.transfer",
     "transfer": "reshard_svc.runtime.transfer",
+    "SyncResult": "reshard_svc.runtime.sync",
+    "WeightSync": "reshard_svc.runtime.sync",
     "Cat": "reshard_svc.plan.transfer",
 }
 
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
     from reshard_svc.runtime.manager import CheckpointManager
     from reshard_svc.runtime.save import save
     from reshard_svc.runtime.state_dict import LocalShard
+    from reshard_svc.runtime.sync import SyncResult, WeightSync
     from reshard_svc.runtime.transfer import TransferResult, transfer
 
 __all__ = [
@@ -127,11 +130,13 @@ __all__ = [
     "TargetExistsError",
     "TransferAbortedError",
     "TransferError",
+    "SyncResult",
     "TransferResult",
     "UnsafePickleError",
     "UnsupportedFormatError",
     "UsageError",
     "VerifyReport",
+    "WeightSync",
     "WriteItem",
     "__version__",
     "async_save",

@@ -1,24 +1,36 @@
 """Element-wise deltas between two versions of a tensor piece, bitwise.
 
-The building block of a weight sync that sends only what changed (issue 37): between two
-RL steps about 99 % of bf16 weights are bit-identical, and a block checksum cannot find
-the 1 % (a 64 KiB block with 1 % of its elements changed at random is almost never
-unchanged), so changes are found and encoded element by element.
+The building block of a weight sync that sends only what changed
+(:class:`~reshard_svc.runtime.sync.WeightSync`): between two RL steps about 99 % of bf16
+weights are bit-identical, and a block checksum cannot find the 1 % (a 64 KiB block with
+1 % of its elements changed at random is almost never unchanged), so changes are found and
+encoded element by element.
 
 * :func:`changed` compares two tensors **as integers** of their element size: a NaN with
   another payload, ``-0.0`` against ``0.0`` and every denormal are changes; nothing that
   is bit-identical is.
-* :func:`encode` picks the cheapest of three encodings of the new piece against the old
-  one, by exact size: ``RAW`` (every byte), ``MASK`` (a bitmask of changed elements, then
-  their new values) and ``RUNS`` (int32 ``(start, length)`` pairs of changed runs, then
-  their new values). Past a density where neither beats the raw piece, it is raw: the
-  dense case costs nothing over sending the piece.
-* :func:`apply` patches the old piece in place into the new one, bitwise.
+* :func:`encode` picks the smallest of four encodings of the new piece against the old
+  one, by exact size (every multi-byte field little-endian):
+
+  - ``RAW``: every element;
+  - ``MASK``: a bitmask of the changed elements (``ceil(n / 8)`` bytes), then their values;
+  - ``RUNS``: an int32 run count, int32 ``(start, length)`` pairs, then the values (changes
+    that come in rows);
+  - ``GAPS``: an int32 token count, uint16 gaps between changed elements, then the values
+    (scattered changes: two bytes per change). A gap of ``0xFFFF`` or more is written as
+    ``0xFFFF`` tokens, each moving on 65,535 elements without a change, then the rest.
+
+  Past a density where nothing beats the raw piece it is raw, so the dense case costs
+  nothing over sending the piece. Dense pieces are told from sparse ones by a count of
+  changed elements before any index is built.
+* :func:`decode` checks a payload against its piece and returns what to write;
+  :func:`patch` writes it into any view of the old piece (:func:`apply`: both, in place).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
@@ -26,26 +38,51 @@ import torch
 
 from reshard_svc.errors import UsageError
 
-__all__ = ["Encoding", "apply", "changed", "encode", "encoded_size"]
+__all__ = ["Delta", "Encoding", "apply", "changed", "decode", "encode", "encoded_size", "patch"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ESCAPE = 0xFFFF
+#: At or above this share of changed elements, only RAW and MASK are weighed: GAPS and
+#: RUNS cannot win there (two or more bytes per change against an eighth of a byte per
+#: element), and no index of the changes is built.
+DENSE = 1 / 16
 
 
 class Encoding(IntEnum):
     RAW = 0
     MASK = 1
     RUNS = 2
+    GAPS = 3
 
 
-def _ints(t: torch.Tensor) -> torch.Tensor:
-    """``t`` flat, viewed as integers of its element size (no copy when contiguous)."""
+@dataclass(frozen=True, eq=False)
+class Delta:
+    """One piece's delta: the encoding, its payload bytes, and where the changes are
+    (``None`` for every element, a bool mask, or int64 flat positions) with their new
+    values (as integers of the element size), for a sender to update its own copy."""
+
+    encoding: Encoding
+    payload: torch.Tensor
+    where: torch.Tensor | None
+    values: torch.Tensor
+
+
+def _int_kind(t: torch.Tensor) -> torch.dtype:
     kind = _INT_OF_SIZE.get(t.element_size())
     if kind is None:
         raise UsageError(f"cannot compare elements of {t.element_size()} bytes ({t.dtype})")
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    return flat.view(kind)
+    return kind
+
+
+def _as_ints(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size, in its own shape and strides."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t.view(_int_kind(t))
+
+
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, as integers of its element size (no copy when contiguous)."""
+    _int_kind(t)
+    return _as_ints(t.detach().contiguous()).reshape(-1)
 
 
 def changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -58,69 +95,109 @@ def changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return _ints(old) != _ints(new)
 
 
-def _runs(mask: np.ndarray) -> np.ndarray:
-    """(start, length) pairs of the True runs of ``mask``, as an int64 array [r, 2]."""
-    padded = np.concatenate(([False], mask, [False]))
-    edges = np.flatnonzero(padded[1:] != padded[:-1])
-    starts, ends = edges[0::2], edges[1::2]
-    return np.stack([starts, ends - starts], axis=1)
-
-
-def encoded_size(kind: Encoding, n: int, k: int, runs: int, itemsize: int) -> int:
-    """Bytes of a piece of ``n`` elements with ``k`` changed in ``runs`` runs."""
+def encoded_size(kind: Encoding, n: int, k: int, runs: int, itemsize: int, gaps: int = 0) -> int:
+    """Bytes of a piece of ``n`` elements with ``k`` changed in ``runs`` runs (``gaps``:
+    the escape tokens GAPS needs on top of one per change)."""
     if kind is Encoding.RAW:
         return n * itemsize
     if kind is Encoding.MASK:
         return math.ceil(n / 8) + k * itemsize
-    return 4 + 8 * runs + k * itemsize
+    if kind is Encoding.RUNS:
+        return 4 + 8 * runs + k * itemsize
+    return 4 + 2 * (k + gaps) + k * itemsize
 
 
-def encode(old: torch.Tensor, new: torch.Tensor) -> tuple[Encoding, torch.Tensor]:
-    """``new`` against ``old`` in the smallest encoding: (encoding, payload bytes)."""
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _gap_tokens(idx: np.ndarray) -> np.ndarray:
+    gaps = np.diff(idx, prepend=-1) - 1
+    escapes = gaps // ESCAPE
+    if not escapes.any():
+        return gaps.astype(np.uint16)
+    # each change: its escapes, then the rest of its gap
+    tokens = np.full(len(idx) + int(escapes.sum()), ESCAPE, dtype=np.uint16)
+    ends = np.cumsum(escapes + 1) - 1
+    tokens[ends] = (gaps - escapes * ESCAPE).astype(np.uint16)
+    return tokens
+
+
+def encode(old: torch.Tensor, new: torch.Tensor) -> Delta:
+    """``new`` against ``old`` in the smallest encoding."""
     mask_t = changed(old, new)
     n, isz = mask_t.numel(), new.element_size()
-    raw_new = _ints(new).view(torch.uint8)
-    if n >= 2**31:
-        return Encoding.RAW, raw_new.clone()
-    mask = mask_t.numpy()
-    k = int(mask.sum())
-    runs = _runs(mask) if k else np.zeros((0, 2), dtype=np.int64)
-    best = min(
-        (Encoding.RAW, Encoding.MASK, Encoding.RUNS),
-        key=lambda e: (encoded_size(e, n, k, len(runs), isz), e),
-    )
+    new_i = _ints(new)
+    k = int(mask_t.sum())
+    if n >= 2**31 or k == n:
+        return Delta(Encoding.RAW, _bytes(new_i), None, new_i)
+    sizes: dict[Encoding, int] = {
+        Encoding.RAW: n * isz,
+        Encoding.MASK: encoded_size(Encoding.MASK, n, k, 0, isz),
+    }
+    idx = np.zeros(0, dtype=np.int64)
+    runs = np.zeros((0, 2), dtype=np.int64)
+    tokens = np.zeros(0, dtype=np.uint16)
+    if k < DENSE * n:
+        idx = np.flatnonzero(mask_t.numpy())
+        if k:
+            breaks = np.flatnonzero(np.diff(idx) != 1)
+            starts = idx[np.concatenate(([0], breaks + 1))]
+            ends = idx[np.concatenate((breaks, [k - 1]))] + 1
+            runs = np.stack([starts, ends - starts], axis=1)
+        tokens = _gap_tokens(idx)
+        sizes[Encoding.RUNS] = encoded_size(Encoding.RUNS, n, k, len(runs), isz)
+        sizes[Encoding.GAPS] = encoded_size(Encoding.GAPS, n, k, 0, isz, len(tokens) - k)
+    best = min(sizes, key=lambda e: (sizes[e], e))
     if best is Encoding.RAW:
-        return best, raw_new.clone()
-    values = _ints(new)[mask_t].view(torch.uint8)
+        return Delta(best, _bytes(new_i), None, new_i)
     if best is Encoding.MASK:
-        bits = torch.from_numpy(np.packbits(mask, bitorder="little"))
-        return best, torch.cat([bits, values])
-    head = torch.tensor([len(runs)], dtype=torch.int32).view(torch.uint8)
-    pairs = torch.from_numpy(runs.astype(np.int32).reshape(-1)).view(torch.uint8)
-    return best, torch.cat([head, pairs, values])
+        values = new_i[mask_t]
+        bits = torch.from_numpy(np.packbits(mask_t.numpy(), bitorder="little"))
+        return Delta(best, torch.cat([bits, _bytes(values)]), mask_t, values)
+    where = torch.from_numpy(idx)
+    values = new_i[where]
+    if best is Encoding.RUNS:
+        head = torch.tensor([len(runs)], dtype=torch.int32).view(torch.uint8)
+        body = torch.from_numpy(runs.astype(np.int32).reshape(-1)).view(torch.uint8)
+    else:
+        head = torch.tensor([len(tokens)], dtype=torch.int32).view(torch.uint8)
+        body = torch.from_numpy(tokens).view(torch.uint8)
+    return Delta(best, torch.cat([head, body, _bytes(values)]), where, values)
 
 
-def apply(old: torch.Tensor, kind: Encoding, payload: torch.Tensor) -> None:
-    """Patch ``old`` (contiguous) in place with a payload from :func:`encode`."""
-    if not old.is_contiguous():
-        raise UsageError("a delta patches a contiguous tensor")
-    flat = _ints(old)
-    n, isz = flat.numel(), old.element_size()
-    data = payload.view(torch.uint8)
+def _count(data: torch.Tensor, what: str, n: int) -> int:
+    if data.numel() < 4:
+        raise UsageError(f"a {what} delta of {data.numel()} bytes has no count")
+    (c,) = data[:4].clone().view(torch.int32).tolist()
+    return int(c)
+
+
+def decode(
+    kind: int, payload: torch.Tensor, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Check a payload for a piece of ``n`` elements of ``dtype``; return where it writes
+    (``None``: everything; a bool mask; or int64 flat positions) and the values, as
+    integers of the element size. Raises :class:`UsageError` naming what is wrong."""
+    isz = torch.empty(0, dtype=dtype).element_size()
+    int_kind = _INT_OF_SIZE.get(isz)
+    if int_kind is None:
+        raise UsageError(f"cannot patch elements of {isz} bytes ({dtype})")
+    data = payload.view(torch.uint8).reshape(-1)
+    where: torch.Tensor | None
     if kind == Encoding.RAW:
         if data.numel() != n * isz:
             raise UsageError(f"a raw delta of {data.numel()} bytes for {n * isz}")
-        flat.view(torch.uint8).copy_(data)
-        return
+        return None, data.view(int_kind)
     if kind == Encoding.MASK:
         nbits = math.ceil(n / 8)
         if data.numel() < nbits:
             raise UsageError(f"a mask delta of {data.numel()} bytes for {n} elements")
-        bits = np.unpackbits(data[:nbits].numpy(), bitorder="little", count=n).astype(bool)
-        values = data[nbits:]
-        pos = np.flatnonzero(bits)
+        bits = np.unpackbits(data[:nbits].numpy(), bitorder="little", count=n)
+        where = torch.from_numpy(bits.view(np.bool_))
+        k, values = int(bits.sum()), data[nbits:]
     elif kind == Encoding.RUNS:
-        (r,) = data[:4].clone().view(torch.int32).tolist()
+        r = _count(data, "runs", n)
         if not 0 <= r <= n or data.numel() < 4 + 8 * r:
             raise UsageError(f"a runs delta of {data.numel()} bytes names {r} runs")
         pairs = data[4 : 4 + 8 * r].clone().view(torch.int32).reshape(r, 2).numpy().astype(np.int64)
@@ -130,10 +207,42 @@ def apply(old: torch.Tensor, kind: Encoding, payload: torch.Tensor) -> None:
         values = data[4 + 8 * r :]
         before = np.concatenate(([0], np.cumsum(lengths)[:-1])) if r else np.zeros(0, np.int64)
         pos = np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()))
+        where, k = torch.from_numpy(pos), len(pos)
+    elif kind == Encoding.GAPS:
+        t = _count(data, "gaps", n)
+        if not 0 <= t or data.numel() < 4 + 2 * t:
+            raise UsageError(f"a gaps delta of {data.numel()} bytes names {t} tokens")
+        tokens = data[4 : 4 + 2 * t].clone().view(torch.int16).numpy().view(np.uint16)
+        tokens = tokens.astype(np.int64)
+        escape = tokens == ESCAPE
+        pos = (np.cumsum(np.where(escape, ESCAPE, tokens + 1)) - 1)[~escape]
+        if len(pos) and pos[-1] >= n:
+            raise UsageError("a gaps delta reaches outside its piece")
+        values = data[4 + 2 * t :]
+        where, k = torch.from_numpy(pos), len(pos)
     else:
         raise UsageError(f"unknown delta encoding {kind!r}")
-    k = len(pos)
     if values.numel() != k * isz:
         raise UsageError(f"a delta of {values.numel()} value bytes for {k} changed elements")
-    if k:
-        flat[torch.from_numpy(pos)] = values.clone().view(flat.dtype)
+    return where, values.clone().view(int_kind)
+
+
+def patch(region: torch.Tensor, where: torch.Tensor | None, values: torch.Tensor) -> None:
+    """Write decoded ``values`` into ``region`` (any view, its elements in row-major
+    order) at ``where`` (see :func:`decode`)."""
+    ints = _as_ints(region)
+    if where is None:
+        ints.copy_(values.view(region.shape))
+    elif where.dtype == torch.bool:
+        ints.masked_scatter_(where.view(region.shape), values)
+    elif where.numel():
+        if region.is_contiguous():
+            ints.view(-1)[where] = values
+        else:
+            ints[torch.unravel_index(where, region.shape)] = values
+
+
+def apply(old: torch.Tensor, kind: int, payload: torch.Tensor) -> None:
+    """Patch ``old`` in place with a payload from :func:`encode`."""
+    where, values = decode(kind, payload, old.numel(), old.dtype)
+    patch(old, where, values)

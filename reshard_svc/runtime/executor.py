@@ -35,7 +35,7 @@ from reshard_svc.plan.items import Piece, Plan, Read, Wave
 from reshard_svc.runtime.buffers import Arena, aligned, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 
-__all__ = ["Destination", "Progress", "ProgressInfo", "Source", "execute"]
+__all__ = ["Codec", "Destination", "Progress", "ProgressInfo", "Source", "execute"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,26 @@ class Destination(Protocol):
 
     def wave_done(self, wave: Wave) -> None:
         """Every piece of ``wave`` has landed on every rank."""
+        ...
+
+
+class Codec(Protocol):
+    """Pieces that travel encoded, at sizes known only to their sender (a weight sync's
+    deltas). With a codec, every piece that crosses between ranks goes through it: the
+    sizes are exchanged (one small exchange) before the data."""
+
+    def encode(self, piece: Piece, data: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """``(encoding, payload bytes)`` for a piece this rank sends (``data``: the piece
+        as read), or ``(0, None)`` to send it as it is."""
+        ...
+
+    def decode(self, piece: Piece, encoding: int, payload: torch.Tensor, dest: Destination) -> None:
+        """Land a piece this rank received (``payload``: the bytes sent; with encoding 0
+        and no payload override, the piece itself) into ``dest``."""
+        ...
+
+    def wave_done(self, wave: Wave) -> None:
+        """Every rank has landed ``wave`` (after ``dest.wave_done``)."""
         ...
 
 
@@ -162,9 +182,19 @@ class _Step:
     """One wave on this rank: read and pack, exchange, land; with CRCs when verifying."""
 
     def __init__(
-        self, w: _MyWave, plan: Plan, source: Source, comm: Comm, arena: Arena | None
+        self,
+        w: _MyWave,
+        plan: Plan,
+        source: Source,
+        comm: Comm,
+        arena: Arena | None,
+        codec: Codec | None = None,
     ) -> None:
         self.w, self.plan, self.source, self.comm, self.arena = w, plan, source, comm, arena
+        self.codec = codec
+        #: with a codec: (size << 8 | encoding) of each crossing piece, in plan order, as
+        #: sent by this rank and then as received
+        self.heads: list[int] = []
         self.bands: dict[int, torch.Tensor] = {}
         self.in_place: set[Piece] = set()
         self.send = self.recv = torch.empty(0, dtype=torch.uint8)
@@ -192,6 +222,9 @@ class _Step:
                 self.send_splits[p.dest] += aligned(p.nbytes)
             if p.dest == me:
                 self.recv_splits[src] += aligned(p.nbytes)
+        if self.codec is not None:
+            self._pack_encoded(self.codec, verify)
+            return
         self.send = self._buffer(sum(self.send_splits))
         self.recv = self._buffer(sum(self.recv_splits))
         off = 0
@@ -205,9 +238,64 @@ class _Step:
                 self.sent[_key(p)] = _crc(slot)
             off += aligned(p.nbytes)
 
+    def _pack_encoded(self, codec: Codec, verify: bool) -> None:
+        """Encode this rank's crossing pieces (the codec decides each one's bytes) and pack
+        them; the receivers learn the sizes in :meth:`exchange`."""
+        w, me = self.w, self.comm.rank
+        out: list[tuple[Piece, int, torch.Tensor | None, int]] = []
+        self.send_splits = [0] * self.comm.world
+        for p in w.crossing:
+            if w.sender(p) != me:
+                continue
+            data = w.piece(self.bands, p)
+            if verify:
+                self.sent[_key(p)] = _crc(data)
+            enc, payload = codec.encode(p, data)
+            size = p.nbytes if payload is None else payload.numel()
+            out.append((p, enc, payload, size))
+            self.heads.append(size << 8 | enc)
+            self.send_splits[p.dest] += aligned(size)
+        self.send = self._buffer(sum(self.send_splits))
+        off = 0
+        for p, _, payload, size in out:
+            slot = self.send[off : off + size]
+            if payload is None:
+                dtype = self.source.dtype(w.readers[p.read].tensor)
+                slot.view(dtype).view(p.box.sizes).copy_(w.piece(self.bands, p))
+            else:
+                slot.copy_(payload)
+            off += aligned(size)
+
+    def _exchange_sizes(self) -> None:
+        """Each crossing piece's encoded size and encoding, from its sender to its
+        receiver (counts per pair are in the plan); then the data's receive splits."""
+        w, me, world = self.w, self.comm.rank, self.comm.world
+        counts_out, counts_in = [0] * world, [0] * world
+        for p in w.crossing:
+            if w.sender(p) == me:
+                counts_out[p.dest] += 8
+            if p.dest == me:
+                counts_in[w.sender(p)] += 8
+        heads = torch.tensor(self.heads, dtype=torch.int64).view(torch.uint8)
+        got = self.comm.exchange(heads, counts_out, counts_in,
+                                 point_to_point=self.plan.point_to_point)  # fmt: skip
+        self.heads = got.cpu().view(torch.int64).tolist() if got.numel() else []
+        self.recv_splits = [0] * world
+        at = 0
+        for p in w.crossing:
+            if p.dest == me:
+                head = self.heads[at]
+                if head < 0:
+                    raise DistributedError(f"rank {w.sender(p)} sent a piece of negative size")
+                self.recv_splits[w.sender(p)] += aligned(head >> 8)
+                at += 1
+        self.recv = self._buffer(sum(self.recv_splits))
+
     def exchange(self) -> None:
         if not self.w.exchanges or self.comm.world == 1:
             return
+        if self.codec is not None:
+            self._exchange_sizes()
         self.recv = self.comm.exchange(
             self.send, self.send_splits, self.recv_splits, out=self.recv,
             point_to_point=self.plan.point_to_point,
@@ -226,14 +314,22 @@ class _Step:
                     self.sent[_key(p)] = _crc(data)
                 if p not in self.in_place:
                     _land(dest, p, data)
-        off = 0
+        off = at = 0
         for p in w.crossing:
-            if p.dest == me:
-                data = self._typed(self.recv[off : off + p.nbytes], p)
-                if p.via == me:
-                    self.forward[(p.read, p.box)] = data
-                _land(dest, p, data)
-                off += aligned(p.nbytes)
+            if p.dest != me:
+                continue
+            if self.codec is not None:
+                head = self.heads[at]
+                at += 1
+                size = head >> 8
+                self.codec.decode(p, head & 0xFF, self.recv[off : off + size], dest)
+                off += aligned(size)
+                continue
+            data = self._typed(self.recv[off : off + p.nbytes], p)
+            if p.via == me:
+                self.forward[(p.read, p.box)] = data
+            _land(dest, p, data)
+            off += aligned(p.nbytes)
         self.bands.clear()
         if w.relays and self.comm.world > 1:
             self._pack_relayed(verify)
@@ -328,13 +424,15 @@ def execute(
     arena: Arena | None = None,
     verify: bool = False,
     label: str = "",
+    codec: Codec | None = None,
 ) -> int:
     """Run ``plan`` on this rank (every rank calls it); returns the bytes this rank read
     from storage.
 
     ``arena`` (kept by the caller between runs) provides the exchange buffers, so a plan
     run again faults in no new memory. ``verify`` compares every piece's CRC32C as sent
-    and as landed before ``wave_done``. A failure anywhere raises on every rank at the
+    and as landed before ``wave_done``. ``codec`` sends crossing pieces encoded (a plan
+    with relays cannot: they forward pieces as received). A failure anywhere raises on every rank at the
     wave's next agreement: the rank that failed re-raises its own error, the others a
     :class:`~reshard_svc.errors.DistributedError` naming it.
     """
@@ -354,7 +452,9 @@ def execute(
         w = _MyWave.of(wave, me)
         if arena is not None:
             arena.reset()
-        step = _Step(w, plan, source, comm, arena)
+        if codec is not None and w.relays:
+            raise ValueError("a codec cannot run a plan that relays pieces")
+        step = _Step(w, plan, source, comm, arena, codec)
         what = f"{label}wave {i + 1}/{len(waves)}"
 
         def read_and_pack(step: _Step = step) -> None:
@@ -385,6 +485,8 @@ def execute(
             _check_pieces(w, plan, reports)
         try:
             dest.wave_done(wave)
+            if codec is not None:
+                codec.wave_done(wave)
         except Exception as e:  # surfaced on every rank at the next agreement
             pending.append(e)
         nbytes = getattr(wave, "nbytes", None)  # every rank's pieces, not only this one's

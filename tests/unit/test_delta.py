@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard_svc.errors import UsageError
-from reshard_svc.runtime.delta import Encoding, apply, changed, encode
+from reshard_svc.runtime.delta import Encoding, apply, changed, decode, encode, patch
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,
           torch.int64, torch.int32, torch.uint8, torch.bool]  # fmt: skip
@@ -49,11 +49,15 @@ def test_patching_the_old_piece_gives_the_new_one_bitwise(dtype, n, seed, densit
         where = torch.rand(n, generator=g) < density
     fresh = piece(dtype, n, seed + 2)
     as_int(new)[where] = as_int(fresh)[where]
-    kind, payload = encode(old, new)
-    assert payload.numel() <= n * old.element_size()  # never worse than the raw piece
+    d = encode(old, new)
+    assert d.payload.numel() <= n * old.element_size()  # never worse than the raw piece
     patched = old.clone()
-    apply(patched, kind, payload)
+    apply(patched, d.encoding, d.payload)
     assert torch.equal(as_int(patched), as_int(new))
+    # what the sender keeps (where, values) updates its own copy the same way
+    mine = old.clone()
+    patch(mine, d.where, d.values)
+    assert torch.equal(as_int(mine), as_int(new))
     assert int(changed(old, new).sum()) == int((as_int(old) != as_int(new)).sum())
 
 
@@ -63,28 +67,32 @@ def test_the_bits_decide_nan_payloads_signed_zeros_and_denormals():
     new[0] = -0.0
     as_int(new)[1] = as_int(old)[1] ^ 1  # another NaN payload
     assert changed(old, new).tolist() == [True, True, False, False]
-    kind, payload = encode(old, new)
+    d = encode(old, new)
     patched = old.clone()
-    apply(patched, kind, payload)
+    apply(patched, d.encoding, d.payload)
     assert torch.equal(as_int(patched), as_int(new))
 
 
 def test_sparse_changes_are_small_and_dense_ones_are_raw():
     old = piece(torch.bfloat16, 1 << 16, 0)
     new = old.clone()
-    new[::1000] = new[::1000] + 1  # 0.1 %: scattered
-    kind, payload = encode(old, new)
-    assert kind is Encoding.RUNS and payload.numel() < 0.01 * old.numel() * 2
+    as_int(new)[::1000] ^= 1  # 0.1 %: scattered, two bytes of gap per change
+    d = encode(old, new)
+    assert d.encoding is Encoding.GAPS and d.payload.numel() == 4 + 66 * 4
     new = old.clone()
-    new[::10] = new[::10] + 1  # 10 %: a bitmask beats runs
-    kind, payload = encode(old, new)
-    assert kind is Encoding.MASK
+    as_int(new)[1000:1300] ^= 1  # one run
+    d = encode(old, new)
+    assert d.encoding is Encoding.RUNS and d.payload.numel() == 4 + 8 + 300 * 2
+    new = old.clone()
+    as_int(new)[::10] ^= 1  # 10 %: a bitmask beats runs and gaps
+    d = encode(old, new)
+    assert d.encoding is Encoding.MASK
     dense = old.clone()
     as_int(dense).bitwise_xor_(1)  # every element's lowest bit
-    kind, payload = encode(old, dense)
-    assert kind is Encoding.RAW and payload.numel() == old.numel() * 2
-    kind, payload = encode(old, old.clone())
-    assert kind is Encoding.RUNS and payload.numel() == 4  # nothing changed: just a count
+    d = encode(old, dense)
+    assert d.encoding is Encoding.RAW and d.payload.numel() == old.numel() * 2
+    d = encode(old, old.clone())
+    assert d.encoding is Encoding.RUNS and d.payload.numel() == 4  # nothing changed: a count
 
 
 def test_bad_deltas_are_refused_naming_the_problem():
@@ -98,5 +106,30 @@ def test_bad_deltas_are_refused_naming_the_problem():
         apply(old, Encoding.RUNS, torch.cat([bad_runs, torch.zeros(20, dtype=torch.uint8)]))
     with pytest.raises(UsageError, match="value bytes"):
         apply(old, Encoding.MASK, torch.tensor([0b11, 0], dtype=torch.uint8))
-    with pytest.raises(UsageError, match="contiguous"):
-        apply(torch.zeros(4, 4).t(), Encoding.RAW, torch.zeros(64, dtype=torch.uint8))
+    with pytest.raises(UsageError, match="outside its piece"):
+        apply(old, Encoding.GAPS, torch.tensor([1, 0, 0, 0, 8, 0], dtype=torch.uint8))
+    with pytest.raises(UsageError, match="unknown delta encoding"):
+        apply(old, 9, torch.zeros(4, dtype=torch.uint8))
+
+
+def test_long_gaps_escape_and_strided_views_are_patched_in_place():
+    old = torch.zeros(300_000, dtype=torch.bfloat16)
+    new = old.clone()
+    new[[0, 70_000, 200_001, 299_999]] = torch.tensor([1.0, -0.0, 3.0, 4.0]).to(torch.bfloat16)
+    d = encode(old, new)
+    assert d.encoding is Encoding.GAPS  # gaps of 70k and 130k need escape tokens
+    patched = old.clone()
+    apply(patched, d.encoding, d.payload)
+    assert torch.equal(as_int(patched), as_int(new))
+    # a column block of a wider tensor (a TP shard's region): patched through its strides
+    wide = torch.zeros(6, 10)
+    region = wide[:, 3:7]
+    target = torch.arange(24.0).view(6, 4)
+    target[2, 1] = float("nan")
+    for kind_of in (target, torch.where(torch.arange(24).view(6, 4) % 7 == 0, target, 0.0)):
+        d = encode(torch.zeros(6, 4), kind_of)
+        wide.zero_()
+        where, values = decode(d.encoding, d.payload, 24, torch.float32)
+        patch(region, where, values)
+        assert torch.equal(as_int(wide[:, 3:7].contiguous()), as_int(kind_of))
+        assert not wide[:, :3].any() and not wide[:, 7:].any()

@@ -1,0 +1,150 @@
+"""The RL loop's weight sync session (``reshard_svc.WeightSync``) on real gloo processes:
+versioned pushes that send only what changed, bitwise equal to the trainer's tensors after
+every push, through restarts, foreign writes, aborted pushes, dead receivers, re-layouts,
+overlapping meshes, pipeline stages and fused targets.
+
+Two scenarios share one 8-process launch (see ``sync_workloads.scenarios``); the dead
+receiver runs in four processes of its own (an elastic agent would stop the others).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from typing import Any
+
+import pytest
+
+from tests.support import sync_workloads as w
+from tests.support.harness import free_port, run
+
+pytestmark = pytest.mark.distributed
+
+SCENARIOS = ["rl_loop", "overlapping_fused_pp"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict[int, Any]]:
+    out = run(w.scenarios, 8, SCENARIOS)
+    return {s: {rank: out[rank][s] for rank in out} for s in SCENARIOS}
+
+
+def test_twenty_pushes_are_bitwise_and_send_only_what_changed(results):
+    r = results["rl_loop"]
+    for rank in range(8):
+        assert r[rank]["wrong"] == [[]] * 19, rank  # after every committed push
+    for rank in range(4):  # trainers: the first push whole, later ones deltas
+        pushes = {p["step"]: p for p in r[rank]["pushes"]}
+        assert pushes[1]["wholes"] > 0 and pushes[1]["deltas"] == 0
+        assert pushes[1]["sent"] == pushes[1]["full"] > 0
+        for step in (2, 6, 10, 14, 18):  # 1 % changed since the previous push
+            assert pushes[step]["wholes"] == 0 and pushes[step]["deltas"] > 0
+            assert pushes[step]["sent"] < 0.15 * pushes[step]["full"], (rank, step)
+        for step in (4, 16, 20):  # everything changed: never more than a whole push
+            assert pushes[step]["full"] * 0.9 < pushes[step]["sent"] <= pushes[step]["full"]
+        # one copy of each region it sends (a region sent to several engine ranks: once)
+        assert 0.8 * pushes[1]["full"] < r[rank]["snapshot_bytes"] <= pushes[1]["full"]
+    for rank in range(4, 8):
+        assert r[rank]["snapshot_bytes"] == 0
+
+
+def test_update_writes_nothing_until_commit(results):
+    r = results["rl_loop"]
+    for rank in range(4, 8):
+        assert all(p["held"] for p in r[rank]["pushes"])
+        # between update() and commit() the engine still held the previous version
+        assert sum(r[rank]["before_commit_wrong"]) > 0, rank
+
+
+def test_a_restarted_or_overwritten_engine_gets_whole_pieces(results):
+    r = results["rl_loop"]
+    step = {rank: {p["step"]: p for p in r[rank]["pushes"]} for rank in range(8)}
+    # step 7: rank 6 restarted (zeros, a new session): it receives its whole share ...
+    assert step[6][7]["received"] == step[6][1]["received"]
+    assert not step[6][7]["cached"]  # every rank re-planned with the new session
+    # ... the trainers sent whole pieces to it only, deltas to the others
+    assert any(step[k][7]["wholes"] > 0 for k in range(4))
+    assert all(step[k][7]["deltas"] > 0 for k in range(4))
+    # step 9: rank 5's weights written behind the session's back: noticed, whole pieces
+    assert step[5][9]["received"] == step[5][1]["received"]
+    assert step[4][9]["received"] < 0.2 * step[4][1]["received"]
+
+
+def test_an_aborted_push_leaves_every_engine_on_the_previous_version(results):
+    r = results["rl_loop"]
+    for rank in range(8):
+        aborted = r[rank]["aborted"]
+        assert aborted is not None and aborted["updated"] == [], rank
+        assert "rank 7" in aborted["message"] or rank == 7
+        assert "injected failure while landing" in aborted["message"]
+        assert r[rank]["abort_kept_previous"], rank
+        assert r[rank]["version_after_abort"] == 11
+    # the next push (13) carries the aborted step's changes too and is bitwise (above)
+
+
+def test_versions_must_go_up_and_agree(results):
+    r = results["rl_loop"]
+    for rank in range(8):
+        e = r[rank]["errors"]
+        assert "version 5 does not come after version 20" in e["backwards"]
+        assert "version 20 does not come after version 20" in e["same"]
+        assert "every rank must push the same version" in e["differs"]
+        assert r[rank]["version"] == 20
+
+
+def test_a_new_trainer_layout_replans_everywhere_and_pushes_whole(results):
+    r = results["rl_loop"]
+    for rank in range(8):
+        re, after = r[rank]["relayout"], r[rank]["after_relayout"]
+        assert re["wrong"] == [] and after["wrong"] == [], rank
+        assert not re["cached"] and after["cached"]
+        if rank < 4:
+            assert re["deltas"] == 0 and re["sent"] == re["full"] > 0
+            assert after["wholes"] == 0 and after["sent"] < 0.15 * after["full"]
+
+
+def test_overlapping_meshes_fused_targets_waves_and_verify(results):
+    r = results["overlapping_fused_pp"]
+    for rank in range(8):
+        pushes = r[rank]["overlapping"]
+        assert [p["wrong"] for p in pushes] == [[]] * 5, rank
+        assert all(p["waves"] > 1 and not p["held"] for p in pushes)
+        assert r[rank]["bad_patch"] is not None and "did not land as sent" in r[rank]["bad_patch"]
+        assert r[rank]["bad_patch_kept"] == 5  # verify refused it before anything was written
+        assert r[rank]["after_bad_patch"]["wrong"] == []
+    assert r[4]["overlapping"][1]["sent"] < r[4]["overlapping"][0]["sent"]  # 4 is in both
+
+
+def test_pipeline_stages_into_a_vllm_like_engine(results):
+    r = results["overlapping_fused_pp"]
+    for rank in range(8):
+        assert [p["wrong"] for p in r[rank]["pipeline"]] == [[]] * 3, rank
+    for rank in range(4):
+        first, second = r[rank]["pipeline"][:2]
+        assert second["deltas"] > 0 and second["sent"] < 0.15 * first["sent"]
+
+
+def test_a_receiver_that_dies_mid_push_fails_every_rank_and_leaves_no_half_update():
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    ports = (free_port(), free_port())
+    procs = [ctx.Process(target=w.dies_mid_push, args=(r, ports, results)) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        outs = {o["rank"]: o for o in (results.get(timeout=240) for _ in range(3))}
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert procs[3].exitcode == 17
+    print(json.dumps(outs))
+    for rank in range(3):
+        o = outs[rank]
+        assert "error" not in o, o
+        assert o["raised"] == "TransferAbortedError"
+        assert o["kept_version_2"] and o["version"] == 2
+        regrouped = o["regrouped"]
+        assert regrouped["wrong"] == [] and regrouped["deltas"] == 0
+    assert outs[0]["regrouped"]["sent"] == outs[0]["regrouped"]["full"] > 0

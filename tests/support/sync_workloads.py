@@ -1,0 +1,331 @@
+"""Worker functions for the weight sync session tests (``reshard_svc.WeightSync``): the
+small Llama-shaped model of ``transfer_workloads`` pushed every "step" from a trainer mesh
+into inference ranks, with sparse changes, restarts, failures and re-layouts in between.
+
+The truth is a set of full tensors every rank evolves the same way (seeded by step and
+name); trainer ranks copy their shard of it in place (an optimizer step), and every
+receiver is compared, as integers (NaNs change), with its region of the truth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.support import transfer_workloads as tw
+
+DENSITIES = (0.0001, 0.01, 0.3, 1.0)
+INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def ints(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(INT[t.element_size()])
+
+
+class Truth:
+    """The model's full tensors, changed the same way on every rank."""
+
+    def __init__(self) -> None:
+        self.full = {n: tw.full(n) for n in tw.trainer_params()}
+
+    def step(self, step: int, density: float) -> None:
+        for name, t in self.full.items():
+            g = torch.Generator().manual_seed(step * 1009 + sum(map(ord, name)))
+            where = torch.rand(t.shape, generator=g) < density
+            fresh = torch.randint(-(2**15), 2**15, t.shape, generator=g, dtype=torch.int32)
+            fresh = fresh.to(INT[t.element_size()]).view(t.dtype)  # any bits: NaNs included
+            flat = fresh.view(-1)
+            if flat.numel() >= 3:  # a -0.0, a denormal and a NaN among the new values
+                flat[0], flat[1], flat[2] = -0.0, 1e-40, float("nan")
+            ints(t).view(t.shape)[where] = ints(fresh).view(t.shape)[where]
+
+    def expected(self, target: str) -> torch.Tensor:
+        cat = tw.fused_names().get(target)
+        if cat is None:
+            return self.full[target]
+        return torch.cat([self.full[s] for s in cat.sources], dim=cat.dim)
+
+
+def _sources(mesh: Any, placements: Any, truth: Truth, only: Any = None) -> dict[str, Any] | None:
+    if not tw._in(mesh):
+        return None
+    return {
+        n: tw._dtensor(mesh, placements(n), t.clone())
+        for n, t in truth.full.items()
+        if only is None or only(n)
+    }
+
+
+def _refresh(src: dict[str, Any] | None, truth: Truth, placements: Any) -> None:
+    """The trainer's step: each source's local shard becomes its shard of the truth, in
+    place (torch's own distribute_tensor cuts it)."""
+    for name, dt in (src or {}).items():
+        want = tw._dtensor(dt.device_mesh, placements(name), truth.full[name])
+        dt.to_local().copy_(want.to_local())
+
+
+def engine_wrong(engine: dict[str, Any] | None, truth: Truth) -> list[str]:
+    """LocalShard targets whose real region differs (as integers) or whose padding is not 0."""
+    bad = []
+    for name, shard in (engine or {}).items():
+        data = shard.data
+        region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, data.shape))
+        ok = torch.equal(ints(data), ints(truth.full[name][region])) if data.numel() else True
+        ok = ok and all(bool((slab == 0).all()) for slab in shard.padding())
+        if not ok:
+            bad.append(name)
+    return bad
+
+
+def dtensors_wrong(dst: dict[str, Any] | None, truth: Truth, placements: Any) -> list[str]:
+    bad = []
+    for name, dt in (dst or {}).items():
+        want = tw._dtensor(dt.device_mesh, placements(name), truth.expected(name)).to_local()
+        if not torch.equal(ints(dt.to_local()), ints(want)):
+            bad.append(name)
+    return bad
+
+
+def _result(res: Any) -> dict[str, Any]:
+    return {
+        "version": res.version, "sent": res.bytes_sent, "full": res.bytes_full,
+        "received": res.bytes_received, "deltas": res.delta_pieces, "wholes": res.whole_pieces,
+        "held": res.held_until_commit, "cached": res.plan_cached,
+    }  # fmt: skip
+
+
+def rl_loop() -> dict[str, Any]:
+    """FSDP2 x TP trainer (ranks 0-3, a 2 x 2 mesh) -> a vLLM-like TP 4 engine of
+    LocalShards (ranks 4-7): 20 pushes through begin/update/commit with sparse to dense
+    changes; a restarted engine rank, a target overwritten behind the session's back, an
+    aborted push, versions that go backwards or differ, and a trainer re-layout."""
+    from reshard_svc import TransferAbortedError, TransferError, WeightSync
+    from reshard_svc.runtime import sync as runtime
+
+    rank = dist.get_rank()
+    trainer = tw._mesh([0, 1, 2, 3], (2, 2))
+    truth = Truth()
+    src = _sources(trainer, tw.fsdp_tp_placements, truth)
+    engine = tw.engine_shards(rank - 4) if rank >= 4 else None
+    sync = WeightSync(src, engine)
+    out: dict[str, Any] = {"pushes": [], "wrong": [], "before_commit_wrong": []}
+    for step in range(1, 21):
+        density = DENSITIES[(step - 1) % 4]
+        if step > 1:
+            truth.step(step, density)
+            _refresh(src, truth, tw.fsdp_tp_placements)
+        if step == 7 and rank == 6:  # this engine restarted: zeros, a new session
+            engine = tw.engine_shards(2)
+            for shard in engine.values():
+                shard.tensor.zero_()
+            sync = WeightSync(src, engine)
+        if step == 9 and rank == 5 and engine is not None:  # someone reloads rank 5's weights
+            for shard in engine.values():
+                shard.data.zero_()
+        if step == 12:  # rank 7 fails while landing: nobody moves from version 11
+            real = runtime._Codec.decode
+            if rank == 7:
+
+                def decode(self: Any, *a: Any) -> None:
+                    raise RuntimeError("injected failure while landing")
+
+                runtime._Codec.decode = decode  # type: ignore[method-assign]
+            try:
+                sync.push(step)
+                out["aborted"] = None
+            except TransferAbortedError as e:
+                out["aborted"] = {"message": str(e), "updated": list(e.updated)}
+            finally:
+                runtime._Codec.decode = real  # type: ignore[method-assign]
+            prev = Truth()
+            for s in range(2, step):
+                prev.step(s, DENSITIES[(s - 1) % 4])
+            out["abort_kept_previous"] = engine_wrong(engine, prev) == []
+            out["version_after_abort"] = sync.version
+            continue
+        sync.begin(step)
+        sync.update()
+        if engine is not None and step > 1:
+            out["before_commit_wrong"].append(len(engine_wrong(engine, truth)))
+        res = sync.commit()
+        out["pushes"].append({"step": step, "density": density, **_result(res)})
+        out["wrong"].append(engine_wrong(engine, truth))
+    out["snapshot_bytes"] = sync.snapshot_bytes
+    out["version"] = sync.version
+    errors = {}
+    for case, version in (("backwards", 5), ("same", 20), ("differs", 21 + (rank == 3))):
+        try:
+            sync.push(version)
+            errors[case] = None
+        except TransferError as e:
+            errors[case] = str(e)
+    out["errors"] = errors
+    # the trainer re-wraps (FSDP over all four ranks): every rank re-plans, pushes whole
+    truth.step(30, 0.01)
+    src = _sources(tw._mesh([0, 1, 2, 3]), lambda n: ["S(0)"], truth)
+    res = sync.push(30, src=src)
+    out["relayout"] = {**_result(res), "wrong": engine_wrong(engine, truth)}
+    truth.step(31, 0.01)
+    _refresh(src, truth, lambda n: ["S(0)"])
+    res = sync.push(31)
+    out["after_relayout"] = {**_result(res), "wrong": engine_wrong(engine, truth)}
+    return out
+
+
+def overlapping_fused_pp() -> dict[str, Any]:
+    """Two more sessions: FSDP on ranks 0-5 into fused TP DTensors on ranks 4-7 (ranks 4
+    and 5 in both; verify=True, several waves), and a 2-stage pipeline trainer into the
+    LocalShard engine."""
+    from reshard_svc import WeightSync
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    truth = Truth()
+    src = _sources(tw._mesh([0, 1, 2, 3, 4, 5]), lambda n: ["S(0)"], truth)
+    dst = tw._targets(tw._mesh([4, 5, 6, 7]))
+    sync = WeightSync(src, dst, names=tw.fused_names(), verify=True, max_memory=4096)
+    pushes = []
+    for step, density in enumerate((None, 0.01, 0.3, 0.0001, 1.0), start=1):
+        if density is not None:
+            truth.step(step, density)
+            _refresh(src, truth, lambda n: ["S(0)"])
+        res = sync.push(step)
+        pushes.append({**_result(res), "waves": res.waves,
+                       "wrong": dtensors_wrong(dst, truth, tw.tp_placements)})  # fmt: skip
+    out["overlapping"] = pushes
+    # a delta that patches wrong on rank 6 is refused by verify before anything is written
+    from reshard_svc import TransferAbortedError
+    from reshard_svc.runtime import delta
+
+    truth.step(6, 0.01)
+    _refresh(src, truth, lambda n: ["S(0)"])
+    real = delta.patch
+    if rank == 6:
+
+        def patch(region: Any, where: Any, values: Any) -> None:
+            real(region, where, values)
+            ints(region).view(-1)[0] ^= 1 if region.is_contiguous() else 0
+
+        delta.patch = patch  # type: ignore[assignment]
+    try:
+        sync.push(6)
+        out["bad_patch"] = None
+    except TransferAbortedError as e:
+        out["bad_patch"] = str(e)
+    finally:
+        delta.patch = real  # type: ignore[assignment]
+    out["bad_patch_kept"] = sync.version
+    res = sync.push(7)
+    out["after_bad_patch"] = {**_result(res), "wrong": dtensors_wrong(dst, truth, tw.tp_placements)}
+    truth = Truth()
+    src = _pp_sources(truth)
+    engine = tw.engine_shards(rank - 4) if rank >= 4 else None
+    sync = WeightSync(src, engine)
+    pushes = []
+    for step in range(1, 4):
+        if step > 1:
+            truth.step(step, 0.01)
+            _refresh(src, truth, tw.tp_placements)
+        res = sync.push(step)
+        pushes.append({**_result(res), "wrong": engine_wrong(engine, truth)})
+    out["pipeline"] = pushes
+    return out
+
+
+def _pp_sources(truth: Truth) -> dict[str, Any] | None:
+    rank = dist.get_rank()
+    meshes = [tw._mesh([0, 1]), tw._mesh([2, 3])]
+    if rank >= 4:
+        return None
+    stage = rank // 2
+    return {
+        n: tw._dtensor(meshes[stage], tw.tp_placements(n), t.clone())
+        for n, t in truth.full.items()
+        if tw.stage_of(n) == stage
+    }
+
+
+def scenarios(names: list[str]) -> dict[str, Any]:
+    runs = {"rl_loop": rl_loop, "overlapping_fused_pp": overlapping_fused_pp}
+    return {name: runs[name]() for name in names}
+
+
+# ---------------------------------------------------------------- a receiver that dies
+
+
+def dies_mid_push(rank: int, ports: tuple[int, int], results: Any) -> None:
+    """Four processes of their own (no elastic agent, which would stop everyone): an FSDP
+    trainer on ranks 0-1 pushes into TP 2 DTensors on ranks 2-3. During the third push
+    rank 3 exits while landing. The others must raise, rank 2 must still hold version 2;
+    then the three survivors form a new group and a new session pushes whole pieces."""
+    import os
+    from datetime import timedelta
+
+    from reshard_svc import DistributedError, WeightSync
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        # a dead peer is noticed when its socket closes, or at this timeout at the latest
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
+                                world_size=4, timeout=timedelta(seconds=10))  # fmt: skip
+        truth = Truth()
+        names = [n for n in tw.trainer_params() if "norm" not in n]
+        src = _sources(tw._mesh([0, 1]), lambda n: ["S(0)"], truth, lambda n: n in names)
+        dst = _targets_of(tw._mesh([2, 3]), names)
+        sync = WeightSync(src, dst)
+        for step in (1, 2):
+            if step > 1:
+                truth.step(step, 0.01)
+                _refresh(src, truth, lambda n: ["S(0)"])
+            sync.push(step)
+        before = {n: t.clone() for n, t in truth.full.items()}
+        truth.step(3, 0.01)
+        _refresh(src, truth, lambda n: ["S(0)"])
+        if rank == 3:
+            from reshard_svc.runtime import sync as runtime
+
+            def decode(self: Any, *a: Any) -> None:
+                os._exit(17)  # the engine process dies while landing
+
+            runtime._Codec.decode = decode  # type: ignore[method-assign]
+        try:
+            sync.push(3)
+            out["raised"] = None
+        except DistributedError as e:
+            out["raised"] = type(e).__name__
+        kept = Truth()
+        kept.full = before
+        out["kept_version_2"] = dtensors_wrong(dst, kept, lambda n: ["S(0)"]) == []
+        out["version"] = sync.version
+        # the survivors regroup: trainer 0-1, one engine rank (TP 1) on new rank 2
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank,
+                                world_size=3, timeout=timedelta(seconds=60))  # fmt: skip
+        src = _sources(tw._mesh([0, 1]), lambda n: ["S(0)"], truth, lambda n: n in names)
+        engine = tw._mesh([2])
+        if rank == 2:
+            dst = {n: tw._dtensor(engine, ["R"], kept.full[n].clone()) for n in names}  # v2
+        else:
+            dst = None
+        res = WeightSync(src, dst).push(3)
+        out["regrouped"] = {**_result(res), "wrong": dtensors_wrong(dst, truth, lambda n: ["R"])}
+        dist.barrier()
+    except Exception as e:  # reported to the test, which fails on it
+        out["error"] = f"{type(e).__name__}: {e}"
+    results.put(out)
+    results.close()
+    results.join_thread()
+    os._exit(0)  # gloo may abort while the interpreter tears down (see harness)
+
+
+def _targets_of(mesh: Any, names: list[str]) -> dict[str, Any] | None:
+    if not tw._in(mesh):
+        return None
+    params = tw.trainer_params()
+    return {
+        n: tw._dtensor(mesh, ["S(0)"], torch.full(params[n][0], tw.SENTINEL, dtype=params[n][1]))
+        for n in names
+    }
