@@ -17,6 +17,17 @@ Reported per case, medians over runs of the max over ranks:
   * whether both systems left bitwise-equal inference tensors.
 
     python bench/transfer.py [--size full|small] [--runs 3]
+
+``--delta`` measures the RL loop instead (FSDP 4 -> TP 4 only): a
+:class:`reshard_svc.WeightSync` session pushing after changes of 0.1 %, 1 %, 10 % and 100 %
+of every tensor's elements (random elements, one bit each) and after a PULSE-like update
+(``w += 3e-6 * sign(noise)`` in bf16: most updates are absorbed), against a full
+``transfer()`` and generation-1 sync of the same weights, in the same processes. Reported
+per push: wall time and bytes sent by the busiest rank (``wchar``, and the session's own
+count), their ratios to the full transfer, and the sender's snapshot memory; at the end the
+session's targets are compared bitwise with a full transfer's.
+
+    python bench/transfer.py --delta [--size full|small] [--runs 3]
 """
 
 from __future__ import annotations
@@ -210,14 +221,117 @@ def run_case(size: str, case: str, order: int) -> dict[str, Any]:
     return out
 
 
+#: (label, share of elements changed; None: the PULSE-like update)
+PUSHES = (("0.1%", 0.001), ("1%", 0.01), ("10%", 0.1), ("100%", 1.0), ("pulse", None))
+
+
+def change(src: dict[str, Any] | None, share: float | None, seed: int) -> float:
+    """Change ``share`` of every local source tensor's elements in place (each a random
+    element, its lowest bit flipped; 1.0: every element), or apply the PULSE-like update.
+    Returns the share of elements that changed on this rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    changed = total = 0
+    for dt in (src or {}).values():
+        local = dt.to_local()
+        ints = local.view(torch.int16).view(-1)
+        n = ints.numel()
+        total += n
+        if share is None:  # w += lr * sign(noise), in bf16 (sign noise, lr 3e-6)
+            before = ints.clone()
+            step = torch.randint(0, 2, local.shape, generator=g, dtype=torch.int8) * 2 - 1
+            local.copy_((local.float() + 3e-6 * step).to(local.dtype))
+            changed += int((before != ints).sum())
+        elif share >= 1.0:
+            ints.bitwise_xor_(1)
+            changed += n
+        else:
+            where = torch.randint(0, n, (int(n * share),), generator=g)
+            ints[where] ^= 1
+            changed += int(where.unique().numel())
+    return changed / max(total, 1)
+
+
+def run_delta(size: str, order: int) -> dict[str, Any]:
+    """The RL loop on one rank: gen-1 and a full transfer, then a session's pushes."""
+    import torch
+    import torch.distributed as dist
+
+    import reshard_svc
+
+    s = Setup(size, "fsdp4_to_tp4")
+    names = {t: reshard_svc.Cat(parts) for t, parts in fused(s.size).items()}
+    out: dict[str, Any] = {"rank": s.rank, "case": "delta"}
+    if order == 0:
+        dst = s.fresh_targets()
+        out["gen1"] = measure(lambda: gen1(s, dst))
+        del dst
+    full = s.fresh_targets()
+    ours(s, full)
+    out["full"] = measure(lambda: ours(s, full))
+    s.cache.clear()
+    dst = s.fresh_targets()
+    sync = reshard_svc.WeightSync(s.src, dst, names=names)
+    version = 1
+    out["first_push"] = measure(lambda: sync.push(version))
+    for i, (label, share) in enumerate(PUSHES):
+        out[f"share_{label}"] = change(s.src, share, seed=1000 * order + i)
+        version += 1
+        got: dict[str, Any] = {}
+        out[label] = measure(lambda v=version, got=got: got.setdefault("r", sync.push(v)))
+        out[label]["session_sent"] = got["r"].bytes_sent
+    if order == 1:
+        out["gen1"] = measure(lambda: gen1(s, s.fresh_targets()))
+    out["snapshot_mb"] = sync.snapshot_bytes / 1e6
+    ours(s, full)  # the same weights, whole
+    out["bitwise_equal"] = dst is None or all(
+        torch.equal(dst[n].to_local().view(torch.int16), full[n].to_local().view(torch.int16))
+        for n in dst
+    )
+    dist.barrier()
+    return out
+
+
+def delta_summary(args: argparse.Namespace, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    def med(key: str, field: str, scale: float = 1.0) -> float:
+        return round(statistics.median(max(r[key][field] for r in run) for run in runs) / scale, 3)
+
+    out: dict[str, Any] = {
+        "bench": "transfer", "case": "delta, fsdp4_to_tp4", "size": args.size,
+        "model_bytes": common.model_bytes(args.size), "ranks": 8, "runs": args.runs,
+        "full_s": med("full", "wall_s"), "full_busiest_sent_mb": med("full", "sent", 1e6),
+        "gen1_s": med("gen1", "wall_s"), "gen1_busiest_sent_mb": med("gen1", "sent", 1e6),
+        "first_push_s": med("first_push", "wall_s"),
+        "snapshot_mb_per_trainer_rank": round(
+            statistics.median(max(r["snapshot_mb"] for r in run) for run in runs), 1),
+    }  # fmt: skip
+    for label, _ in PUSHES:
+        wall, sent = med(label, "wall_s"), med(label, "sent", 1e6)
+        out[label] = {
+            "changed": round(statistics.median(
+                max(r[f"share_{label}"] for r in run) for run in runs), 5),
+            "wall_s": wall, "busiest_sent_mb": sent,
+            "session_busiest_sent_mb": med(label, "session_sent", 1e6),
+            "wall_over_full": round(wall / out["full_s"], 3),
+            "sent_over_full": round(sent / out["full_busiest_sent_mb"], 4),
+            "wall_all": [round(max(r[label]["wall_s"] for r in run), 3) for run in runs],
+        }  # fmt: skip
+    out["bitwise_equal"] = all(r["bitwise_equal"] for run in runs for r in run)
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     if dist.get_world_size() != 8:
         raise SystemExit("bench/transfer.py runs on 8 ranks")
-    for case in CASES:  # one launch for both cases: 8 processes take a while to start
-        common.append_result(args.results, run_case(args.size, case, args.order))
+    if args.delta:
+        common.append_result(args.results, run_delta(args.size, args.order))
+    else:
+        for case in CASES:  # one launch for both cases: 8 processes take a while to start
+            common.append_result(args.results, run_case(args.size, case, args.order))
     dist.destroy_process_group()
 
 
@@ -225,6 +339,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(common.SIZES), default="full")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--delta", action="store_true", help="the RL loop: a WeightSync session")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     ap.add_argument("--order", type=int, default=0, help=argparse.SUPPRESS)
@@ -233,10 +348,16 @@ def main() -> None:
         return worker(args)
     with tempfile.TemporaryDirectory(prefix="reshard-bench-transfer-") as tmp:
         results = os.path.join(tmp, "results.jsonl")
+        extra = ["--delta"] if args.delta else []
         runs = [
-            common.launch(8, __file__, ["--size", args.size, "--order", str(i % 2)], results)
+            common.launch(
+                8, __file__, ["--size", args.size, "--order", str(i % 2), *extra], results
+            )
             for i in range(args.runs)
         ]
+    if args.delta:
+        print(json.dumps(delta_summary(args, runs)))
+        return
     for case in CASES:
         print(
             json.dumps(summary(args, case, [[r for r in run if r["case"] == case] for run in runs]))

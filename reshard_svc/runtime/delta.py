@@ -48,6 +48,12 @@ ESCAPE = 0xFFFF
 DENSE = 1 / 16
 
 
+#: Pieces of at least this many elements are sampled before a full compare, and go raw
+#: when at least this share of the sample changed (a bitmask would save under 6 % there).
+SAMPLE_FROM = 1 << 16
+SAMPLE_DENSE = 0.9
+
+
 class Encoding(IntEnum):
     RAW = 0
     MASK = 1
@@ -123,14 +129,80 @@ def _gap_tokens(idx: np.ndarray) -> np.ndarray:
     return tokens
 
 
-def encode(old: torch.Tensor, new: torch.Tensor) -> Delta:
-    """``new`` against ``old`` in the smallest encoding."""
-    mask_t = changed(old, new)
-    n, isz = mask_t.numel(), new.element_size()
-    new_i = _ints(new)
-    k = int(mask_t.sum())
+class _Pair:
+    """An old and a new piece as integers, compared once: on the CPU through numpy, in
+    the new piece's own strides (no copy of a strided region; numpy's compare is several
+    times faster than torch's for 1- and 2-byte integers), on a device through torch."""
+
+    def __init__(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        self.new = new
+        self.host = new.device.type == "cpu" and old.device.type == "cpu"
+        if self.host:
+            self.b = _as_ints(new.detach()).numpy()
+            mask = np.not_equal(_as_ints(old.detach()).numpy(), self.b)
+            self.mask = mask.reshape(-1)
+            self.k = int(np.count_nonzero(self.mask))
+        else:
+            self.flat = _ints(new)
+            mask_t = _ints(old).to(self.flat.device) != self.flat
+            self.k = int(torch.count_nonzero(mask_t))
+            self.mask = mask_t.cpu().numpy()
+        self.n = self.mask.size
+
+    def pick(self, where: np.ndarray) -> torch.Tensor:
+        """The new values at ``where`` (a flat bool mask or positions), in order."""
+        if not self.host:
+            return self.flat[torch.from_numpy(where).to(self.flat.device)].cpu()
+        b = self.b
+        if where.dtype == np.bool_:  # compress beats boolean indexing several times over
+            picked = np.compress(where, b.reshape(-1) if b.flags.c_contiguous else b.ravel())
+        elif b.flags.c_contiguous:
+            picked = b.reshape(-1)[where]
+        else:
+            picked = b[np.unravel_index(where, b.shape)]
+        if not picked.size:
+            return torch.empty(0, dtype=_int_kind(self.new))
+        return torch.from_numpy(np.ascontiguousarray(picked))
+
+    def raw(self) -> Delta:
+        return _raw(self.new)
+
+
+def _raw(new: torch.Tensor) -> Delta:
+    flat = _ints(new)
+    return Delta(Encoding.RAW, _bytes(flat), None, flat)
+
+
+def _looks_dense(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether a sample of a large CPU piece (16 rows, or 16 runs of 1,024 elements,
+    spread over it) has changed almost everywhere: then the piece goes raw without a full
+    compare. Only a cost decision: a raw piece is always right."""
+    n = new.numel()
+    if n < SAMPLE_FROM or new.device.type != "cpu" or old.device.type != "cpu":
+        return False
+    a, b = _as_ints(old.detach()).numpy(), _as_ints(new.detach()).numpy()
+    if b.ndim >= 2 and b.shape[0] >= 16:
+        rows = np.linspace(0, b.shape[0] - 1, 16).astype(np.int64)
+        diff = np.not_equal(a[rows], b[rows])
+    else:
+        a, b = a.reshape(-1), b.reshape(-1)  # a 1-D or short piece: contiguous
+        starts = np.linspace(0, n - 1024, 16).astype(np.int64)
+        diff = np.concatenate([np.not_equal(a[i : i + 1024], b[i : i + 1024]) for i in starts])
+    return np.count_nonzero(diff) >= SAMPLE_DENSE * diff.size
+
+
+def encode(old: torch.Tensor, new: torch.Tensor, *, raw_payload: bool = True) -> Delta:
+    """``new`` against ``old`` in the smallest encoding. ``raw_payload=False``: when the
+    piece is best sent raw, say so without copying it (payload and values empty)."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        changed(old, new)  # raises, naming both
+    nothing = torch.empty(0, dtype=torch.uint8)
+    if _looks_dense(old, new):
+        return _raw(new) if raw_payload else Delta(Encoding.RAW, nothing, None, nothing)
+    pair = _Pair(old, new)
+    n, k, isz = pair.n, pair.k, new.element_size()
     if n >= 2**31 or k == n:
-        return Delta(Encoding.RAW, _bytes(new_i), None, new_i)
+        return pair.raw() if raw_payload else Delta(Encoding.RAW, nothing, None, nothing)
     sizes: dict[Encoding, int] = {
         Encoding.RAW: n * isz,
         Encoding.MASK: encoded_size(Encoding.MASK, n, k, 0, isz),
@@ -139,7 +211,7 @@ def encode(old: torch.Tensor, new: torch.Tensor) -> Delta:
     runs = np.zeros((0, 2), dtype=np.int64)
     tokens = np.zeros(0, dtype=np.uint16)
     if k < DENSE * n:
-        idx = np.flatnonzero(mask_t.numpy())
+        idx = np.flatnonzero(pair.mask)
         if k:
             breaks = np.flatnonzero(np.diff(idx) != 1)
             starts = idx[np.concatenate(([0], breaks + 1))]
@@ -150,20 +222,19 @@ def encode(old: torch.Tensor, new: torch.Tensor) -> Delta:
         sizes[Encoding.GAPS] = encoded_size(Encoding.GAPS, n, k, 0, isz, len(tokens) - k)
     best = min(sizes, key=lambda e: (sizes[e], e))
     if best is Encoding.RAW:
-        return Delta(best, _bytes(new_i), None, new_i)
+        return pair.raw() if raw_payload else Delta(Encoding.RAW, nothing, None, nothing)
     if best is Encoding.MASK:
-        values = new_i[mask_t]
-        bits = torch.from_numpy(np.packbits(mask_t.numpy(), bitorder="little"))
-        return Delta(best, torch.cat([bits, _bytes(values)]), mask_t, values)
-    where = torch.from_numpy(idx)
-    values = new_i[where]
+        values = pair.pick(pair.mask)
+        bits = torch.from_numpy(np.packbits(pair.mask, bitorder="little"))
+        return Delta(best, torch.cat([bits, _bytes(values)]), torch.from_numpy(pair.mask), values)
+    values = pair.pick(idx)
     if best is Encoding.RUNS:
         head = torch.tensor([len(runs)], dtype=torch.int32).view(torch.uint8)
         body = torch.from_numpy(runs.astype(np.int32).reshape(-1)).view(torch.uint8)
     else:
         head = torch.tensor([len(tokens)], dtype=torch.int32).view(torch.uint8)
         body = torch.from_numpy(tokens).view(torch.uint8)
-    return Delta(best, torch.cat([head, body, _bytes(values)]), where, values)
+    return Delta(best, torch.cat([head, body, _bytes(values)]), torch.from_numpy(idx), values)
 
 
 def _count(data: torch.Tensor, what: str, n: int) -> int:
@@ -193,9 +264,9 @@ def decode(
         nbits = math.ceil(n / 8)
         if data.numel() < nbits:
             raise UsageError(f"a mask delta of {data.numel()} bytes for {n} elements")
-        bits = np.unpackbits(data[:nbits].numpy(), bitorder="little", count=n)
-        where = torch.from_numpy(bits.view(np.bool_))
-        k, values = int(bits.sum()), data[nbits:]
+        bits = np.unpackbits(data[:nbits].numpy(), bitorder="little", count=n).view(np.bool_)
+        where = torch.from_numpy(bits)
+        k, values = int(np.count_nonzero(bits)), data[nbits:]
     elif kind == Encoding.RUNS:
         r = _count(data, "runs", n)
         if not 0 <= r <= n or data.numel() < 4 + 8 * r:
@@ -231,15 +302,22 @@ def patch(region: torch.Tensor, where: torch.Tensor | None, values: torch.Tensor
     """Write decoded ``values`` into ``region`` (any view, its elements in row-major
     order) at ``where`` (see :func:`decode`)."""
     ints = _as_ints(region)
+    values = values.to(ints.device)
     if where is None:
         ints.copy_(values.view(region.shape))
+    elif where.dtype == torch.bool and region.is_contiguous() and ints.device.type == "cpu":
+        # positions, then a scatter: several times faster than a boolean assignment
+        ints.view(-1).numpy()[np.flatnonzero(where.numpy())] = values.numpy()
     elif where.dtype == torch.bool:
-        ints.masked_scatter_(where.view(region.shape), values)
-    elif where.numel():
-        if region.is_contiguous():
-            ints.view(-1)[where] = values
-        else:
-            ints[torch.unravel_index(where, region.shape)] = values
+        ints.masked_scatter_(where.to(ints.device).view(region.shape), values)
+    elif not where.numel():
+        return
+    elif region.is_contiguous() and ints.device.type == "cpu":
+        ints.view(-1).numpy()[where.numpy()] = values.numpy()  # numpy's is the faster scatter
+    elif region.is_contiguous():
+        ints.view(-1)[where.to(ints.device)] = values
+    else:
+        ints[torch.unravel_index(where.to(ints.device), region.shape)] = values
 
 
 def apply(old: torch.Tensor, kind: int, payload: torch.Tensor) -> None:

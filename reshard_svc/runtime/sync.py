@@ -531,7 +531,7 @@ class _Codec:
             return 0, None
         d = self.encoded.get(key)
         if d is None:
-            d = self.encoded[key] = delta.encode(old, data)
+            d = self.encoded[key] = delta.encode(old, data, raw_payload=False)
             mine[key] = d if d.encoding in (delta.Encoding.RUNS, delta.Encoding.GAPS) else data
         self.deltas += 1
         if d.encoding is delta.Encoding.RAW:

@@ -1,5 +1,6 @@
 """The README's Python scripts run as written: "Checkpointing a training loop" (4 ranks,
-then resumed at 2) and "Live weight sync" (FSDP2 trainer and TP inference in one job)."""
+then resumed at 2), "Live weight sync" (FSDP2 trainer and TP inference in one job) and its
+sync session (versions, deltas)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,36 @@ def test_readme_live_sync_moves_the_trained_weights_every_step(tmp_path):
     # every rank sees the same q|k|v bytes each step, and training changes them
     assert all(len(d) == 1 for d in digests.values()), digests
     assert len({next(iter(d)) for d in digests.values()}) == 3
+
+
+@pytest.mark.distributed
+def test_readme_weight_sync_session_sends_only_what_changed(tmp_path):
+    script = tmp_path / "weight_sync.py"
+    script.write_text(readme_code("weight-sync"))
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    lines = re.findall(
+        r"version (\d) rank (\d) weights (\w+) sent (\d+) of (\d+) received (\d+) deltas (\d+) "
+        r"whole (\d+)",
+        r.stdout,
+    )
+    assert len(lines) == 16, r.stdout
+    got = {(int(v), int(k)): (d, *map(int, rest)) for v, k, d, *rest in lines}
+    for v in range(1, 5):  # trainer and engine hold the same full tensors after every push
+        assert len({got[v, k][0] for k in range(4)}) == 1, (v, r.stdout)
+    assert len({got[v, 0][0] for v in range(1, 5)}) == 4  # and training changed them
+    for k in (0, 1):
+        _, sent, full, _, deltas, whole = got[1, k]
+        assert sent == full > 0 and deltas == 0 and whole > 0  # the first push: whole
+        for v in (2, 4):  # then only what changed
+            _, sent, full, _, deltas, whole = got[v, k]
+            assert deltas > 0 and whole == 0 and sent < full / 2, (v, k, got[v, k])
+    # version 3: rank 3 invalidated its weights and received them whole; rank 2 a delta
+    assert got[3, 3][3] == got[1, 3][3] > 0
+    assert got[3, 2][3] < got[1, 2][3] / 2
 
 
 @pytest.mark.distributed

@@ -133,3 +133,39 @@ def test_long_gaps_escape_and_strided_views_are_patched_in_place():
         patch(region, where, values)
         assert torch.equal(as_int(wide[:, 3:7].contiguous()), as_int(kind_of))
         assert not wide[:, :3].any() and not wide[:, 7:].any()
+
+
+@pytest.mark.parametrize("density", [0.0, 0.05, 0.5, 1.0])
+def test_a_strided_new_piece_is_compared_in_place(density):
+    """A sender's piece is often a column block of its shard: compared through its strides."""
+    g = torch.Generator().manual_seed(3)
+    shard = torch.randn(64, 48, generator=g).to(torch.bfloat16)
+    old = shard[:, 16:40].clone()
+    where = torch.rand(64, 24, generator=g) < density
+    as_int(shard)[:, 16:40][where] ^= 7
+    new = shard[:, 16:40]  # strided
+    assert not new.is_contiguous()
+    d = encode(old, new)
+    patched = old.clone()
+    apply(patched, d.encoding, d.payload)
+    assert torch.equal(as_int(patched), as_int(new))
+    lean = encode(old, new, raw_payload=False)
+    assert lean.encoding is d.encoding
+    if lean.encoding is Encoding.RAW:
+        assert lean.payload.numel() == 0  # the caller sends the piece itself
+
+
+@pytest.mark.parametrize("shape", [(1 << 17,), (512, 256), (8, 1 << 14)])
+@pytest.mark.parametrize("density", [0.5, 0.97])
+def test_large_pieces_are_sampled_before_a_full_compare(shape, density):
+    """Pieces of 64 Ki elements and more: a sample that changed almost everywhere sends the
+    piece raw without comparing it all; either way the patch is exact."""
+    g = torch.Generator().manual_seed(7)
+    old = torch.randn(shape, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    as_int(new)[torch.rand(shape, generator=g) < density] ^= 1
+    d = encode(old, new)
+    assert d.encoding is (Encoding.RAW if density > 0.9 else Encoding.MASK)
+    patched = old.clone()
+    apply(patched, d.encoding, d.payload)
+    assert torch.equal(as_int(patched), as_int(new))
