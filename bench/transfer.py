@@ -317,6 +317,7 @@ def delta_summary(args: argparse.Namespace, runs: list[list[dict[str, Any]]]) ->
             "sent_over_full": round(sent / out["full_busiest_sent_mb"], 4),
             "wall_all": [round(max(r[label]["wall_s"] for r in run), 3) for run in runs],
         }  # fmt: skip
+    out["gen1_over_ours_wall_at_1pct"] = round(out["gen1_s"] / out["1%"]["wall_s"], 2)
     out["bitwise_equal"] = all(r["bitwise_equal"] for run in runs for r in run)
     return out
 

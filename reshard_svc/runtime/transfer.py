@@ -26,6 +26,10 @@ tensors swapped in by earlier waves (whole, on every rank); every other target i
 untouched. When everything fits in ``max_memory`` there is one wave, so a failed transfer
 changes nothing. ``verify=True`` also checks that every replica of a source agrees and that
 every piece lands with the CRC32C it was sent with, before anything is swapped in.
+
+This is the one-shot form. An RL loop that pushes every step keeps a
+:class:`~reshard_svc.runtime.sync.WeightSync` instead: versioned pushes that send only the
+elements that changed.
 """
 
 from __future__ import annotations
