@@ -64,6 +64,7 @@ from reshard_svc.runtime.transfer import (
     _HeldSource,
     _Local,
     _plan,
+    _Staging,
 )
 
 __all__ = ["SyncResult", "WeightSync"]
@@ -287,6 +288,7 @@ class WeightSync:
                 )  # fmt: skip
         except Exception as e:
             self._push = None
+            self._remember(landing.updated, push.local.dst)
             done = tuple(landing.updated)
             rest = tuple(n for n in plan.tensors if n not in set(done))
             failures = e.failures if isinstance(e, DistributedError) else {comm.rank: str(e)}
@@ -298,6 +300,7 @@ class WeightSync:
                 updated=done,
                 untouched=rest,
             ) from e
+        self._remember(landing.updated, push.local.dst)
         push.moved = True
 
     def commit(self) -> SyncResult:
@@ -317,6 +320,7 @@ class WeightSync:
             self._comm.run_everywhere("sync: committing", write)
         finally:
             self._push = None
+            self._remember(landing.updated, push.local.dst)
         self._committed = push.version
         rank, plan = self._comm.rank, push.entry.plan
         sent = codec.bytes_sent if codec else plan.sent[rank]
@@ -366,10 +370,13 @@ class WeightSync:
                 if wave is not None:
                     self._held.pop(wave, None)
 
-    def _wrote(
-        self, wave: int, version: int, names: tuple[str, ...], dst: Mapping[str, Placed]
-    ) -> None:
+    def _wrote(self, wave: int, version: int) -> None:
         self._held[wave] = version
+
+    def _remember(self, names: list[str], dst: Mapping[str, Placed]) -> None:
+        """How the targets written by a push are left, once the push wrote all it will
+        (targets can share memory, as a fused engine buffer's views do, so one written
+        late moves the counter of one written early)."""
         for name in names:
             if name in dst:
                 self._marks[name] = _mark(dst[name])
@@ -413,7 +420,28 @@ def _pieces_sent(plan: TransferPlan, rank: int, geometry: _Geometry | None) -> i
 # ---- the destination and the codec
 
 
-class _Landing:
+class _Parking:
+    """A wave is written once every rank has it, or, holding, parked until commit."""
+
+    hold: bool
+    parked: list[Wave]
+
+    def wave_done(self, wave: Wave) -> None:
+        if self.hold:
+            self.parked.append(wave)
+        else:
+            self._write(wave)
+
+    def write_parked(self) -> None:
+        for wave in self.parked:
+            self._write(wave)
+        self.parked.clear()
+
+    def _write(self, wave: Wave) -> None:
+        raise NotImplementedError
+
+
+class _Landing(_Parking, _Staging):
     """A push's destination on this rank: whole pieces land in staging (the plan's arena),
     deltas are decoded and kept; a wave is written into the targets once every rank has
     it (or at commit, when it is held)."""
@@ -427,13 +455,11 @@ class _Landing:
         session: WeightSync,
         version: int,
     ) -> None:
-        self.plan, self.dst, self.arena, self.hold = plan, dst, arena, hold
-        self.session, self.version = session, version
-        self.staged: dict[int, torch.Tensor] = {}
+        super().__init__(plan, dst, arena)
+        self.hold, self.session, self.version = hold, session, version
         self.whole: dict[int, dict[Piece, None]] = {}  # target -> pieces staged whole
         self.patches: list[tuple[Piece, torch.Tensor | None, torch.Tensor]] = []
         self.parked: list[Wave] = []
-        self.updated: list[str] = []
 
     def region(self, piece: Piece) -> torch.Tensor:
         """The piece's region of its target tensor."""
@@ -441,31 +467,11 @@ class _Landing:
         return self.dst[t.tensor].local[t.box][piece.box.slices_in(t.box)]
 
     def view(self, piece: Piece) -> torch.Tensor:
-        t = self.plan.targets[piece.target]
-        buf = self.staged.get(piece.target)
-        if buf is None:
-            like = self.dst[t.tensor].local[t.box]
-            buf = self.staged[piece.target] = self.arena.take_like(like)
-            self.whole[piece.target] = {}
-        self.whole[piece.target][piece] = None
-        return buf[piece.box.slices_in(t.box)]
-
-    def take(self, piece: Piece, data: torch.Tensor) -> bool:
-        return False
+        self.whole.setdefault(piece.target, {})[piece] = None
+        return super().view(piece)
 
     def keep_patch(self, piece: Piece, where: torch.Tensor | None, values: torch.Tensor) -> None:
         self.patches.append((piece, where, values))
-
-    def wave_done(self, wave: Wave) -> None:
-        if self.hold:
-            self.parked.append(wave)
-        else:
-            self._write(wave)
-
-    def write_parked(self) -> None:
-        for wave in self.parked:
-            self._write(wave)
-        self.parked.clear()
 
     def _write(self, wave: Wave) -> None:
         geometry = self.session._geometry
@@ -490,12 +496,12 @@ class _Landing:
         for name in names:
             if name in self.dst:
                 self.dst[name].fill_padding()
-        self.session._wrote(wi, self.version, names, self.dst)
+        self.session._wrote(wi, self.version)
         self.updated.extend(names)
 
 
 @dataclass
-class _Codec:
+class _Codec(_Parking):
     """Each piece a rank sends to another: a delta against what it last sent when the
     receiver holds that version, else the whole piece; and, once the wave is written,
     the sender's record brought up to date."""
@@ -512,7 +518,7 @@ class _Codec:
     #: wave -> {region: the delta sent, or the source view to copy at the write}
     pending: dict[int, dict[_Key, delta.Delta | torch.Tensor]] = field(default_factory=dict)
     encoded: dict[_Key, delta.Delta] = field(default_factory=dict)
-    parked: list[int] = field(default_factory=list)
+    parked: list[Wave] = field(default_factory=list)
 
     def _eligible(self, p: Piece, wave: int) -> bool:
         sender = self.geometry.reads[p.read].reader
@@ -567,18 +573,10 @@ class _Codec:
 
     def wave_done(self, wave: Wave) -> None:
         self.encoded.clear()
-        wi = self.geometry.wave_index[id(wave)]
-        if self.hold:
-            self.parked.append(wi)
-        else:
-            self._write(wi)
+        super().wave_done(wave)
 
-    def write_parked(self) -> None:
-        for wi in self.parked:
-            self._write(wi)
-        self.parked.clear()
-
-    def _write(self, wave: int) -> None:
+    def _write(self, w: Wave) -> None:
+        wave = self.geometry.wave_index[id(w)]
         snapshots = self.session._snapshots
         self.session._sent.pop(wave, None)  # until every record of the wave is new
         for key, what in self.pending.pop(wave, {}).items():

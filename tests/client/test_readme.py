@@ -25,6 +25,17 @@ def readme_code(marker: str) -> str:
     return block.group(1)
 
 
+def torchrun(script: Path, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a README script under torchrun on ``nproc`` gloo ranks; it must exit 0."""
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
 def training_loop_code() -> str:
     return readme_code("training-loop")
 
@@ -34,13 +45,8 @@ def test_readme_training_loop_saves_and_resumes_at_another_size(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(training_loop_code())
     root = tmp_path / "ckpt"
-    env = {**os.environ, "CKPT_DIR": str(root), "OMP_NUM_THREADS": "1"}
     for nproc in (4, 2):
-        r = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr[-4000:]
+        torchrun(script, nproc, CKPT_DIR=str(root))
     # 20 steps at TP=4, then 20 more after resuming at TP=2; keep_last=2
     assert sorted(os.listdir(root)) == ["step-0000000030", "step-0000000040"]
     index = json.loads((root / "step-0000000040" / "reshard.index.json").read_text())
@@ -54,11 +60,7 @@ def test_readme_training_loop_saves_and_resumes_at_another_size(tmp_path):
 def test_readme_live_sync_moves_the_trained_weights_every_step(tmp_path):
     script = tmp_path / "live_sync.py"
     script.write_text(readme_code("live-sync"))
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
+    r = torchrun(script, 4)
     lines = re.findall(
         r"step (\d) rank (\d) qkv (\w+) sent (\d+) received (\d+) cached plan (True|False)",
         r.stdout,
@@ -81,11 +83,7 @@ def test_readme_live_sync_moves_the_trained_weights_every_step(tmp_path):
 def test_readme_weight_sync_session_sends_only_what_changed(tmp_path):
     script = tmp_path / "weight_sync.py"
     script.write_text(readme_code("weight-sync"))
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
+    r = torchrun(script, 4)
     lines = re.findall(
         r"version (\d) rank (\d) weights (\w+) sent (\d+) of (\d+) received (\d+) deltas (\d+) "
         r"whole (\d+)",
@@ -111,12 +109,7 @@ def test_readme_weight_sync_session_sends_only_what_changed(tmp_path):
 def test_readme_stages_script_saves_per_stage_keys_and_loads_elsewhere(tmp_path):
     script = tmp_path / "stages.py"
     script.write_text(readme_code("stages"))
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)],
-        env={**os.environ, "CKPT_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
+    r = torchrun(script, 4, CKPT_DIR=str(tmp_path))
     lines = re.findall(
         r"rank (\d) stage (\d): saved (\d) layers; TP 4 load equal (True|False); engine rows "
         r"(\d+) real, padding zero (True|False); divergent replicas refused (True|False)",

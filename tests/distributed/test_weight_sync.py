@@ -120,8 +120,11 @@ def test_pipeline_stages_into_a_vllm_like_engine(results):
     for rank in range(8):
         assert [p["wrong"] for p in r[rank]["pipeline"]] == [[]] * 3, rank
     for rank in range(4):
-        first, second = r[rank]["pipeline"][:2]
-        assert second["deltas"] > 0 and second["sent"] < 0.15 * first["sent"]
+        first, second, third = r[rank]["pipeline"]
+        assert first["waves"] > 1
+        for later in (second, third):  # no wave taken for overwritten by its neighbours
+            assert later["wholes"] == 0 and later["deltas"] > 0
+            assert later["sent"] < 0.15 * first["sent"]
 
 
 def test_a_receiver_that_dies_mid_push_fails_every_rank_and_leaves_no_half_update():
