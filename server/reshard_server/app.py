@@ -19,7 +19,7 @@ from reshard_server.auth import AuthFile, Principal, jwt_verifier, owner_princip
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore, ServerLock
 from reshard_server.jobs import JobManager
-from reshard_server.launcher import Launcher, make_launcher
+from reshard_server.launchers import Launcher, make_launcher
 from reshard_server.metrics import Metrics
 from reshard_server.schemas import JobCreate
 from reshard_server.watches import Watcher

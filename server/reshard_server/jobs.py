@@ -30,7 +30,7 @@ from typing import Any
 
 from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore
-from reshard_server.launcher import EngineStatus, Launch, Launcher
+from reshard_server.launchers import EngineStatus, Launch, Launcher
 from reshard_server.ticker import Ticker
 from reshard_svc.jobs.events import CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
 from reshard_svc.plan.spec import ConvertSpec

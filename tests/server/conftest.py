@@ -15,7 +15,7 @@ import torch
 
 import reshard_svc
 from reshard_client import ReshardClient
-from reshard_server.launcher import job_pids
+from reshard_server.launchers import job_pids
 from tests.support.harness import free_port
 
 TOKEN = "test-token-123"

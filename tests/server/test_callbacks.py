@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from reshard_server.launcher import job_pids
+from reshard_server.launchers import job_pids
 from tests.server.conftest import TOKEN
 from tests.server.test_jobs import slow_job
 

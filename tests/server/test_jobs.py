@@ -13,7 +13,7 @@ import torch
 
 import reshard_svc
 from reshard_client import Conflict
-from reshard_server.launcher import job_pids
+from reshard_server.launchers import job_pids
 from reshard_svc.errors import NotACheckpointError
 from tests.server.conftest import assert_holds, cli, make_tp4, tensors
 

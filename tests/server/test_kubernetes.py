@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from reshard_server.config import Settings
-from reshard_server.kubernetes import trainjob_body
-from reshard_server.launcher import Launch
+from reshard_server.launchers import Launch
+from reshard_server.launchers.kubernetes import trainjob_body
 from reshard_svc.plan.spec import ConvertSpec
 from tests.server.conftest import assert_holds, make_tp4, tensors
 from tests.support.k8s_schema import TrainJobInvalid, validate_trainjob

@@ -92,3 +92,25 @@ def test_the_walk_sees_lazy_relative_and_module_imports():
     assert found == [(1, "reshard_svc.layout.box"), (3, "reshard_svc.runtime.comm"),
                      (4, "reshard_svc.plan.read")]  # fmt: skip
     assert layer_of("reshard_svc.runtime.comm") > layer_of("reshard_svc.layout.sharding")
+
+
+def test_the_launchers_are_engines_on_one_contract_with_no_circle():
+    """``reshard_server.launchers``: ``base`` holds the contract and imports no other part
+    of the server; each engine module imports the contract (and the settings), never the
+    package or another engine; only the package's ``__init__`` (the factory) knows them all."""
+    import reshard_server.launchers as launchers
+
+    root = Path(launchers.__file__).parent
+    seen = {}
+    for path in sorted(root.glob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        seen[path.stem] = {n for n in names if n.startswith("reshard_server")}
+    assert {"base", "local", "slurm", "kubernetes"} <= set(seen)
+    assert seen["base"] == set()
+    for engine in set(seen) - {"base", "__init__"}:
+        assert seen[engine] <= {"reshard_server.launchers.base", "reshard_server.config"}, engine

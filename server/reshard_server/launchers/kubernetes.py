@@ -24,7 +24,7 @@ import logging
 from typing import Any
 
 from reshard_server.config import Settings
-from reshard_server.launcher import JOB_ENV, EngineStatus, Handle, Launch, LauncherError
+from reshard_server.launchers.base import JOB_ENV, EngineStatus, Handle, Launch, LauncherError
 
 __all__ = ["GROUP", "PLURAL", "VERSION", "KubernetesLauncher", "trainjob_body"]
 

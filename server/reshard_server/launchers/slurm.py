@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from reshard_server.config import Settings
-from reshard_server.launcher import JOB_ENV, EngineStatus, Handle, Launch, LauncherError, read_log
+from reshard_server.launchers.base import (
+    JOB_ENV,
+    EngineStatus,
+    Handle,
+    Launch,
+    LauncherError,
+    read_log,
+)
 
 __all__ = ["SlurmLauncher", "render_script", "slurm_state"]
 

@@ -1,0 +1,147 @@
+"""The launcher contract: what the job manager hands an engine and what it hears back.
+
+A :class:`Launcher` is shaped for remote engines: ``submit(launch) -> handle``,
+``status(handle)``, ``cancel(handle)``, ``logs(handle, offset)``. The handle is a small
+JSON object (a PID, a Slurm job id, a TrainJob name and namespace) that the job manager
+stores in SQLite, so a restarted server asks the engine about a job instead of starting it
+again. Every engine module builds on this one and on nothing else of the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from reshard_svc.plan.spec import ConvertSpec
+from reshard_svc.storage.leases import alive
+
+__all__ = [
+    "ENGINE_STATES",
+    "JOB_ENV",
+    "LAUNCH_ENV",
+    "Handle",
+    "EngineStatus",
+    "Launch",
+    "Launcher",
+    "LauncherError",
+    "job_pids",
+    "tagged_pids",
+    "read_log",
+    "set_pdeathsig",
+]
+
+logger = logging.getLogger(__name__)
+JOB_ENV = "RESHARD_JOB_ID"
+LAUNCH_ENV = "RESHARD_LAUNCH_ID"
+_PR_SET_PDEATHSIG = 1
+#: What an engine may say about a job. ``lost``: the engine does not know it (any more).
+ENGINE_STATES = ("pending", "running", "succeeded", "failed", "lost")
+
+Handle = dict[str, Any]
+
+
+class LauncherError(Exception):
+    """The engine refused or failed a request (sbatch error, API error): the job fails."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One attempt of a job, as the manager hands it to an engine."""
+
+    job_id: str
+    attempt: int
+    spec: ConvertSpec
+    env: dict[str, str]  # RESHARD_JOB_ID, callback URL and token, operator env
+    log_path: Path  # where a local engine writes; remote engines keep their own
+
+    @property
+    def name(self) -> str:
+        """A deterministic engine-side name: ``reshard-<job id>-<attempt>``."""
+        return f"reshard-{self.job_id}-{self.attempt}"
+
+    def worker_argv(self) -> list[str]:
+        """``-m reshard_svc.worker convert ...``: the spec's own worker command line."""
+        return self.spec.worker_argv()
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What the engine says about a job. ``pending``: it keeps the job waiting, for
+    ``reason`` (its own words, e.g. ``Slurm: PartitionNodeLimit``); ``hopeless``: a reason
+    that cannot resolve by itself (the request exceeds the partition or cluster)."""
+
+    state: str  # one of ENGINE_STATES
+    reason: str | None = None
+    hopeless: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("pending", "running")
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """How the job manager runs a job's workers on an engine."""
+
+    name: str
+    max_nodes: int
+
+    def submit(self, launch: Launch) -> Handle:
+        """Start the job; return what identifies it to the engine (stored in SQLite)."""
+        ...
+
+    def status(self, handle: Handle) -> EngineStatus: ...
+
+    def cancel(self, handle: Handle, force: bool = False) -> None:
+        """Ask the engine to stop the job (SIGTERM first; ``force`` kills)."""
+        ...
+
+    def logs(self, handle: Handle, offset: int, limit: int) -> tuple[bytes, int]:
+        """Up to ``limit`` bytes of the job's log from ``offset``, and the log's size."""
+        ...
+
+
+def read_log(path: str | Path, offset: int, limit: int) -> tuple[bytes, int]:
+    """``(bytes, size)`` of a log file; a missing file is empty."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(min(offset, size))
+            return f.read(max(0, limit)), size
+    except FileNotFoundError:
+        return b"", 0
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def tagged_pids(name: str, value: str) -> list[int]:
+    """PIDs of live (not zombie) processes whose environment carries ``name=value``."""
+    tag = f"{name}={value}".encode() + b"\0"
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read() + b"\0"
+        except OSError:
+            continue
+        if b"\0" + tag in b"\0" + env and alive(int(entry)):
+            out.append(int(entry))
+    return out
+
+
+def job_pids(job_id: str) -> list[int]:
+    """PIDs of live processes of any launch of job ``job_id``."""
+    return tagged_pids(JOB_ENV, job_id)
