@@ -18,7 +18,6 @@ import argparse
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+
+from reshard_svc._process import free_port
 
 console = Console()
 
@@ -37,12 +38,6 @@ def step(text: str) -> None:
 def run(cmd: list[str], env: dict[str, str]) -> None:
     console.print("[dim]$ " + " ".join(cmd[2:] if cmd[1] == "-m" else cmd) + "[/]", highlight=False)
     subprocess.run(cmd, env=env, check=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_source(path: str) -> dict:

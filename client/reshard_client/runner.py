@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,9 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+
+from reshard_svc._process import free_port, set_pdeathsig
+from reshard_svc.jobs.environment import worker_env
 
 __all__ = ["Outcome", "ProgressOut", "run_in_process", "run_workers", "leftovers"]
 
@@ -165,18 +167,9 @@ def _warnings_to(console: Console) -> Iterator[None]:
         root.propagate, root.level = old, previous
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _die_with_parent(parent: int) -> None:
     """In each worker before exec: die with this CLI (a parent gone already: exit now)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    set_pdeathsig(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
 
@@ -184,17 +177,13 @@ def _die_with_parent(parent: int) -> None:
 def run_workers(spec: Any, progress: ProgressOut) -> Outcome:
     """``--workers N``: start N workers with torchrun's environment and follow them."""
     n = spec.workers
-    port = _free_port()
+    port = free_port()
     tmp = tempfile.mkdtemp(prefix="reshard-convert-")
     progress_file = os.path.join(tmp, "progress.jsonl")
     log_fd, log_path = tempfile.mkstemp(prefix="reshard-convert-", suffix=".log")
-    base = {
-        **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "RESHARD_DIE_WITH_PARENT": "1", "RESHARD_PARENT_PID": str(os.getpid()),
-        "PYTHONUNBUFFERED": "1",
-    }  # fmt: skip
+    base = worker_env(os.environ, parent_pid=os.getpid())
+    base |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
+             "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0"}  # fmt: skip
     cmd = [sys.executable, *spec.worker_argv(progress_file=progress_file)]
     procs: list[subprocess.Popen[bytes]] = []
     outcome = Outcome(log_path=log_path)

@@ -22,14 +22,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from reshard_svc.jobs.environment import CALLBACK_TIMEOUT_ENV, CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
 from reshard_svc.plan.spec import check_event
 
-__all__ = ["CALLBACK_TOKEN_ENV", "CALLBACK_URL_ENV", "EventReporter"]
+__all__ = ["EventReporter"]
 
 logger = logging.getLogger(__name__)
 
-CALLBACK_URL_ENV = "RESHARD_CALLBACK_URL"
-CALLBACK_TOKEN_ENV = "RESHARD_CALLBACK_TOKEN"
 _RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 
 
@@ -49,7 +48,7 @@ class EventReporter:
         self.final_timeout_s = (
             final_timeout_s
             if final_timeout_s is not None
-            else float(os.environ.get("RESHARD_CALLBACK_TIMEOUT_S", "30"))
+            else float(os.environ.get(CALLBACK_TIMEOUT_ENV, "30"))
         )
         self._cond = threading.Condition()
         self._pending: list[dict[str, Any]] = []

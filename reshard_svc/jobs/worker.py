@@ -22,17 +22,16 @@ import time
 from typing import Any, NoReturn
 
 from reshard_svc._collector import collector_paused
+from reshard_svc._process import set_pdeathsig
 from reshard_svc.errors import UsageError
+from reshard_svc.jobs.environment import DIE_WITH_PARENT_ENV, JOB_ENV, PARENT_ENV
 from reshard_svc.jobs.events import EventReporter
 from reshard_svc.plan.spec import ConvertSpec, build_parser
+from reshard_svc.storage import leases
 
 __all__ = ["build_parser", "main", "process_main"]
 
 logger = logging.getLogger("reshard_svc.worker")
-
-
-#: The launcher's pid, when it started the workers itself (``reshard convert --workers N``).
-PARENT_ENV = "RESHARD_PARENT_PID"
 
 
 def _die_with_parent() -> None:
@@ -43,11 +42,7 @@ def _die_with_parent() -> None:
     ran for a while (starting Python) before it; so a parent that is no longer the
     launcher (we were re-parented) means it already died, and we exit now.
     """
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    if not set_pdeathsig(signal.SIGKILL):
         return
     expected = os.environ.get(PARENT_ENV)
     if expected:
@@ -87,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=level, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
-    if os.environ.get("RESHARD_JOB_ID") or os.environ.get("RESHARD_DIE_WITH_PARENT"):
+    job = os.environ.get(JOB_ENV)
+    if job:
+        leases.set_owner(f"reshard-job-{job}")  # the server may declare over its leases
+    if job or os.environ.get(DIE_WITH_PARENT_ENV):
         _die_with_parent()
     _stop_on_sigterm()
     reporter = EventReporter.from_env(args.progress_file) if rank == 0 else EventReporter()

@@ -29,17 +29,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from reshard_svc._process import alive, process_start
 from reshard_svc.errors import StorageError, TargetBusyError
 from reshard_svc.storage.base import LeaseHeld, LeaseLost, LeaseState, LeaseStore
 
 __all__ = [
     "LEASE_TTL_S",
-    "OWNER_ENV",
     "Lease",
     "LeaseRecord",
-    "alive",
     "default_owner",
-    "process_start",
+    "set_owner",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,51 +47,23 @@ logger = logging.getLogger(__name__)
 LEASE_TTL_S = float(os.environ.get("RESHARD_LEASE_TTL_S", "120"))
 #: How often the holder renews its lease (seconds).
 HEARTBEAT_S = max(1.0, LEASE_TTL_S / 6)
-#: Env var naming the lease owner (the server sets ``reshard-job-<id>``).
-OWNER_ENV = "RESHARD_LEASE_OWNER"
 #: How many times a contender retries after losing a takeover race before it gives up.
 TAKEOVER_TRIES = 3
 
 
+_owner = ""
+
+
+def set_owner(name: str) -> None:
+    """Name the owner of the leases this process takes from now on (a server's worker:
+    ``reshard-job-<id>``, which the server can then declare over)."""
+    global _owner
+    _owner = name
+
+
 def default_owner() -> str:
-    job = os.environ.get("RESHARD_JOB_ID")
-    return os.environ.get(OWNER_ENV) or (f"reshard-job-{job}" if job else "")
-
-
-def _stat_fields(pid: int) -> list[bytes] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()
-    except OSError:
-        return None
-
-
-def process_start(pid: int) -> int:
-    """The start time of process ``pid`` (clock ticks since boot, from ``/proc``), or 0
-    where there is no ``/proc``: with the pid it names one process, even after reuse."""
-    fields = _stat_fields(pid)
-    try:
-        return int(fields[19]) if fields else 0  # field 22 of stat; 2 are before ")"
-    except (IndexError, ValueError):
-        return 0
-
-
-def alive(pid: int, start: int = 0) -> bool:
-    """Whether process ``pid`` of this host still runs (and, given ``start``, is the same
-    process). A zombie does not run: a worker killed with its launcher is reparented to
-    PID 1, which in a container may never reap it, and ``kill(pid, 0)`` still finds it."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = _stat_fields(pid)
-    if fields is None:
-        return not os.path.isdir("/proc/self")  # gone since kill(); or no /proc here
-    if fields and fields[0] in (b"Z", b"X"):
-        return False
-    return not start or process_start(pid) in (0, start)
+    """The owner of record of the leases this process takes ("" unless set)."""
+    return _owner
 
 
 @dataclass

@@ -32,7 +32,7 @@ from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore
 from reshard_server.launchers import EngineStatus, Launch, Launcher
 from reshard_server.ticker import Ticker
-from reshard_svc.jobs.events import CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
+from reshard_svc.jobs.environment import worker_env
 from reshard_svc.plan.spec import ConvertSpec
 
 __all__ = ["JobManager", "token_hash"]
@@ -244,12 +244,10 @@ class JobManager(Ticker):
             token_hash=token_hash(token),
         ):  # fmt: skip
             return
-        env = {
-            **self.settings.worker_env(),
-            "RESHARD_JOB_ID": job.id,
-            CALLBACK_URL_ENV: f"{self.settings.callback_base()}/v1/jobs/{job.id}/events",
-            CALLBACK_TOKEN_ENV: token,
-        }
+        env = worker_env(
+            self.settings.worker_env(), job_id=job.id, callback_token=token,
+            callback_url=f"{self.settings.callback_base()}/v1/jobs/{job.id}/events",
+        )  # fmt: skip
         launch = Launch(job.id, job.attempts + 1, ConvertSpec.from_json(job.spec), env,
                         self.log_path(job.id))  # fmt: skip
         try:

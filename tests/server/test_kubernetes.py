@@ -58,6 +58,8 @@ def test_trainjob_matches_the_trainer_schema(settings):
         == launch(nodes=4, workers_per_node=8).spec
     )
     env = {e["name"]: e for e in trainer["env"]}
+    assert len(env) == len(trainer["env"])  # each variable once
+    assert env["RESHARD_JOB_ID"]["value"] == "j1"
     assert "RESHARD_TOKEN" not in env  # never the admin token
     assert env["RESHARD_CALLBACK_TOKEN"]["value"] == "tok"
     if settings.get("k8s_storage_secret"):

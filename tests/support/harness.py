@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -17,11 +16,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from reshard_svc._process import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run"]
 
 
 def _entry(fn: Callable[..., Any], *args: Any) -> Any:

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from reshard_svc._process import free_port
+
 __all__ = ["SlurmCluster", "missing"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -32,12 +34,6 @@ def missing() -> str | None:
         if shutil.which(exe) is None and not Path("/usr/sbin", exe).exists():
             return f"{exe} not found: apt-get install slurm-wlm munge"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _exe(name: str) -> str:
@@ -82,8 +78,8 @@ class SlurmCluster:
                     f"SlurmctldHost={host}(127.0.0.1)",
                     "SlurmUser=root",
                     "SlurmdUser=root",
-                    f"SlurmctldPort={_free_port()}",
-                    f"SlurmdPort={_free_port()}",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
                     "AuthType=auth/munge",
                     f"AuthInfo=socket={sock}",
                     "CredType=cred/munge",

@@ -17,7 +17,7 @@ import reshard_svc
 
 ROOT = Path(reshard_svc.__file__).parent
 LAYERS = ["layout", "storage", "format", "plan", "runtime", "jobs"]
-BASE = {"errors", "_version", "_collector"}
+BASE = {"errors", "_version", "_collector", "_process"}
 TOP = {"worker"}  # `python -m reshard_svc.worker`; the package's __init__ is top too
 
 
@@ -114,3 +114,25 @@ def test_the_launchers_are_engines_on_one_contract_with_no_circle():
     assert seen["base"] == set()
     for engine in set(seen) - {"base", "__init__"}:
         assert seen[engine] <= {"reshard_server.launchers.base", "reshard_server.config"}, engine
+
+
+def test_the_worker_environment_is_spelled_once():
+    """Every ``RESHARD_*`` variable a worker is handed is written as a string in
+    ``reshard_svc/jobs/environment.py`` only; the launchers, the CLI's runner, the worker
+    and the events import the names."""
+    import reshard_client
+    import reshard_server
+    from reshard_svc.jobs import environment
+
+    names = {v for k, v in vars(environment).items() if k.endswith("_ENV")}
+    assert "RESHARD_JOB_ID" in names and len(names) >= 6
+    roots = [ROOT, Path(reshard_server.__file__).parent, Path(reshard_client.__file__).parent]
+    spelled = []
+    for root in roots:
+        for path in root.rglob("*.py"):
+            if path == Path(environment.__file__):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and node.value in names:
+                    spelled.append(f"{path.name}:{node.lineno} {node.value}")
+    assert spelled == []

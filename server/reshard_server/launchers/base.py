@@ -9,17 +9,15 @@ again. Every engine module builds on this one and on nothing else of the package
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from reshard_svc._process import set_pdeathsig, tagged_pids
+from reshard_svc.jobs.environment import JOB_ENV, LAUNCH_ENV
 from reshard_svc.plan.spec import ConvertSpec
-from reshard_svc.storage.leases import alive
 
 __all__ = [
     "ENGINE_STATES",
@@ -37,9 +35,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-JOB_ENV = "RESHARD_JOB_ID"
-LAUNCH_ENV = "RESHARD_LAUNCH_ID"
-_PR_SET_PDEATHSIG = 1
 #: What an engine may say about a job. ``lost``: the engine does not know it (any more).
 ENGINE_STATES = ("pending", "running", "succeeded", "failed", "lost")
 
@@ -116,30 +111,6 @@ def read_log(path: str | Path, offset: int, limit: int) -> tuple[bytes, int]:
             return f.read(max(0, limit)), size
     except FileNotFoundError:
         return b"", 0
-
-
-def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux only)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-
-
-def tagged_pids(name: str, value: str) -> list[int]:
-    """PIDs of live (not zombie) processes whose environment carries ``name=value``."""
-    tag = f"{name}={value}".encode() + b"\0"
-    me = os.getpid()
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read() + b"\0"
-        except OSError:
-            continue
-        if b"\0" + tag in b"\0" + env and alive(int(entry)):
-            out.append(int(entry))
-    return out
 
 
 def job_pids(job_id: str) -> list[int]:

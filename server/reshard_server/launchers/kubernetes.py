@@ -24,7 +24,8 @@ import logging
 from typing import Any
 
 from reshard_server.config import Settings
-from reshard_server.launchers.base import JOB_ENV, EngineStatus, Handle, Launch, LauncherError
+from reshard_server.launchers.base import EngineStatus, Handle, Launch, LauncherError
+from reshard_svc.jobs.environment import WORKER_NAMES, worker_env
 
 __all__ = ["GROUP", "PLURAL", "VERSION", "KubernetesLauncher", "trainjob_body"]
 
@@ -45,13 +46,12 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
     """The TrainJob for one attempt of a job (validated in the tests against the
     Kubeflow Trainer API schema)."""
     spec = launch.spec
+    own = worker_env(launch.env, job_id=launch.job_id)
     env: list[dict[str, Any]] = [
-        {"name": JOB_ENV, "value": launch.job_id},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": name, "value": own[name]}
+        for name in (*WORKER_NAMES, "PYTHONUNBUFFERED", "OMP_NUM_THREADS", *PASSED_ENV)
+        if own.get(name)
     ]
-    for name in ("RESHARD_JOB_ID", "RESHARD_CALLBACK_URL", "RESHARD_CALLBACK_TOKEN", *PASSED_ENV):
-        if launch.env.get(name):
-            env.append({"name": name, "value": launch.env[name]})
     if settings.k8s_storage_secret:
         for key in settings.k8s_secret_keys:
             env.append({"name": key, "valueFrom": {"secretKeyRef": {

@@ -18,7 +18,6 @@ import sys
 import uuid
 
 from reshard_server.launchers.base import (
-    JOB_ENV,
     LAUNCH_ENV,
     EngineStatus,
     Handle,
@@ -28,7 +27,8 @@ from reshard_server.launchers.base import (
     set_pdeathsig,
     tagged_pids,
 )
-from reshard_svc.storage.leases import alive, process_start
+from reshard_svc._process import alive, process_start
+from reshard_svc.jobs.environment import worker_env
 
 __all__ = ["LocalLauncher"]
 
@@ -51,13 +51,7 @@ class LocalLauncher:
             f"--nproc-per-node={launch.spec.workers_per_node}", *launch.worker_argv(),
         ]  # fmt: skip
         launch_id = f"{launch.name}-{uuid.uuid4().hex[:8]}"
-        env = {
-            **launch.env,
-            JOB_ENV: launch.job_id,
-            LAUNCH_ENV: launch_id,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": launch.env.get("OMP_NUM_THREADS", "1"),
-        }
+        env = worker_env(launch.env, job_id=launch.job_id, launch_id=launch_id)
         with open(launch.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()

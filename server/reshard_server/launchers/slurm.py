@@ -27,13 +27,13 @@ from typing import Any
 
 from reshard_server.config import Settings
 from reshard_server.launchers.base import (
-    JOB_ENV,
     EngineStatus,
     Handle,
     Launch,
     LauncherError,
     read_log,
 )
+from reshard_svc.jobs.environment import worker_env
 
 __all__ = ["SlurmLauncher", "render_script", "slurm_state"]
 
@@ -147,7 +147,7 @@ class SlurmLauncher:
         script = self.log_dir / f"{launch.name}.sbatch"
         script.write_text(render_script(launch, self.settings, self.python, log))
         extra = shlex.split(self.settings.slurm_extra_args)
-        env = {**launch.env, JOB_ENV: launch.job_id, "PYTHONUNBUFFERED": "1"}
+        env = worker_env(launch.env, job_id=launch.job_id)
         r = self._run("sbatch", "--parsable", *extra, str(script), env=env)
         if r.returncode != 0:
             raise LauncherError(f"sbatch failed: {r.stderr.strip() or r.stdout.strip()}")
