@@ -19,6 +19,7 @@ __all__ = [
     "LAUNCH_ENV",
     "PARENT_ENV",
     "WORKER_NAMES",
+    "lease_owner",
     "worker_env",
 ]
 
@@ -64,3 +65,9 @@ def worker_env(
         env[DIE_WITH_PARENT_ENV] = "1"
         env[PARENT_ENV] = str(parent_pid)
     return env
+
+
+def lease_owner(job_id: str) -> str:
+    """The owner of record of a job's target leases, which the server may declare over
+    once the job's workers are gone."""
+    return f"reshard-job-{job_id}"

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 from reshard_svc._collector import collector_paused
 from reshard_svc._process import set_pdeathsig
 from reshard_svc.errors import UsageError
-from reshard_svc.jobs.environment import DIE_WITH_PARENT_ENV, JOB_ENV, PARENT_ENV
+from reshard_svc.jobs.environment import DIE_WITH_PARENT_ENV, JOB_ENV, PARENT_ENV, lease_owner
 from reshard_svc.jobs.events import EventReporter
 from reshard_svc.plan.spec import ConvertSpec, build_parser
 from reshard_svc.storage import leases
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     job = os.environ.get(JOB_ENV)
     if job:
-        leases.set_owner(f"reshard-job-{job}")  # the server may declare over its leases
+        leases.set_owner(lease_owner(job))  # the server may declare over its leases
     if job or os.environ.get(DIE_WITH_PARENT_ENV):
         _die_with_parent()
     _stop_on_sigterm()

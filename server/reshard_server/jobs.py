@@ -32,7 +32,7 @@ from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore
 from reshard_server.launchers import EngineStatus, Launch, Launcher
 from reshard_server.ticker import Ticker
-from reshard_svc.jobs.environment import worker_env
+from reshard_svc.jobs.environment import lease_owner, worker_env
 from reshard_svc.plan.spec import ConvertSpec
 
 __all__ = ["JobManager", "token_hash"]
@@ -229,7 +229,7 @@ class JobManager(Ticker):
         from reshard_svc.format.collect import collect
 
         try:
-            report = collect(job.spec["target"], owner=f"reshard-job-{job.id}")
+            report = collect(job.spec["target"], owner=lease_owner(job.id))
         except Exception:
             logger.warning("job %s: could not collect its staging data", job.id, exc_info=True)
             return
