@@ -69,8 +69,9 @@ class Settings(BaseSettings):
         default=8, ge=1, description="most workers (nodes x workers_per_node) a job may ask for"
     )
     max_nodes: int = Field(default=64, ge=1, description="most nodes a job may ask for")
-    launcher: Literal["local", "slurm", "kubernetes"] = Field(
-        default="local", description="where workers run: this host, Slurm or Kubeflow Trainer"
+    launcher: Literal["local", "slurm", "kubernetes", "ray"] = Field(
+        default="local",
+        description="where workers run: this host, Slurm, Kubeflow Trainer or a Ray cluster",
     )
     public_url: str = Field(
         default="",
@@ -87,6 +88,11 @@ class Settings(BaseSettings):
     slurm_extra_args: str = Field(default="", description="more sbatch options, shell-quoted")
     slurm_log_dir: str = Field(
         default="", description="job logs; on storage the server can read (default DATA_DIR/slurm)"
+    )
+    # Ray (RESHARD_LAUNCHER=ray)
+    ray_address: str = Field(
+        default="http://127.0.0.1:8265",
+        description="the Ray cluster's dashboard (job API) address, as `ray job submit` takes",
     )
     # Kubernetes (RESHARD_LAUNCHER=kubernetes)
     k8s_namespace: str = Field(default="default", description="where TrainJobs go")

@@ -137,6 +137,16 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A real Ray cluster (a head and a worker node on this host) for the whole session."""
+    pytest.importorskip("ray.job_submission")
+    from tests.support.ray_cluster import RayCluster
+
+    with RayCluster(tmp_path_factory.mktemp("ray")) as cluster:
+        yield cluster
+
+
 def tensors(seed: int = 0, rows: int = 64) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {

@@ -7,6 +7,7 @@
 - ``slurm``: ``sbatch`` / ``squeue`` / ``scancel`` (:mod:`~reshard_server.launchers.slurm`).
 - ``kubernetes``: Kubeflow Trainer ``TrainJob`` objects
   (:mod:`~reshard_server.launchers.kubernetes`).
+- ``ray``: Ray jobs on a Ray cluster (:mod:`~reshard_server.launchers.ray`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def make_launcher(settings: Settings) -> Launcher:
         from reshard_server.launchers.slurm import SlurmLauncher
 
         return SlurmLauncher(settings)
+    if settings.launcher == "ray":
+        from reshard_server.launchers.ray import RayLauncher
+
+        return RayLauncher(settings)
     if settings.launcher == "kubernetes":
         from reshard_server.launchers.kubernetes import KubernetesLauncher
 
