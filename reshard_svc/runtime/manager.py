@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
 #: what a local save interrupted by a dead job leaves beside a step folder
+_LEASE = re.compile(r"\.(step-\d+)\.lease\.json")
 _LEFTOVER = re.compile(r"\.step-(\d+)\.(?:(?:staging|old)-[0-9a-f]{32}|lease\.json\.\d+\.tmp)")
 
 
@@ -329,8 +330,10 @@ class CheckpointManager:
             logger.warning("retention: could not remove step %d at %s: %s", step, uri, e)
 
     def _collect_leftovers(self, committed: set[int]) -> None:
-        """What dead saves left in step folders that never committed (stale leases only)."""
-        for step, name in self._step_folders().items():
+        """What dead saves left in step folders that never committed (stale leases only),
+        and the lease of a save killed before it made its folder (the lease comes first)."""
+        folders = _step_folders(self.root, self.storage_options, leases=True)
+        for step, name in folders.items():
             if step in committed:
                 continue
             storage = open_storage(f"{self.root}/{name}", self.storage_options)
@@ -462,13 +465,19 @@ def _remove_if_empty(storage: Any) -> None:
             pass  # not empty (a foreign file stays), or already gone
 
 
-def _step_folders(root: str, storage_options: Mapping[str, Any] | None) -> dict[int, str]:
+def _step_folders(
+    root: str, storage_options: Mapping[str, Any] | None, *, leases: bool = False
+) -> dict[int, str]:
+    """Step folders under ``root`` by step; with ``leases``, also the steps that have only
+    a lease beside them (``.step-N.lease.json``)."""
     storage = open_storage(root, storage_options)
-    out = {}
+    out: dict[int, str] = {}
     for name in storage.listdir():
-        step = parse_step(name)
+        m = _LEASE.fullmatch(name) if leases else None
+        folder = m.group(1) if m else name
+        step = parse_step(folder)
         if step is not None:
-            out[step] = name
+            out.setdefault(step, folder)
     return out
 
 

@@ -179,3 +179,17 @@ def k8s(tmp_path):
 
     with StandInCluster(tmp_path / "k8s") as cluster:
         yield cluster
+
+
+def assert_reattaches(server, job_id: str, dst: str, outlives, engine: str) -> None:
+    """``kill -9`` the server mid-job: the engine's job runs on (``outlives()``), and the
+    restarted server re-attaches to it instead of launching it again."""
+    server.kill9()
+    time.sleep(1)
+    assert outlives(), f"the {engine} job must outlive the server"
+    server.start()  # same database: re-attach, do not launch again
+    with server.client() as c:
+        final = c.wait(job_id, timeout=240)
+        assert final.state.value == "succeeded", (final.error, c.logs(job_id).text)
+        assert final.attempts == 1
+    assert reshard_svc.verify(dst).ok

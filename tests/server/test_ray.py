@@ -16,7 +16,7 @@ import torch
 
 import reshard_svc
 from reshard_server.launchers import job_pids
-from tests.server.conftest import assert_holds, make_tp4, tensors
+from tests.server.conftest import assert_holds, assert_reattaches, make_tp4, tensors
 
 pytestmark = [pytest.mark.distributed, pytest.mark.ray]
 
@@ -103,15 +103,7 @@ def test_server_restart_reattaches_to_the_running_ray_job(make_server, ray_clust
 
     server = ray_server(make_server, ray_cluster)
     job_id, dst = slow_job(server, tmp_path, "restart", nodes=2)
-    server.kill9()
-    time.sleep(1)
-    assert "RUNNING" in ray_cluster.jobs().values(), "the Ray job must outlive the server"
-    server.start()  # same database: re-attach, do not launch again
-    with server.client() as c:
-        final = c.wait(job_id, timeout=240)
-        assert final.state.value == "succeeded", (final.error, c.logs(job_id).text)
-        assert final.attempts == 1
-    assert reshard_svc.verify(dst).ok
+    assert_reattaches(server, job_id, dst, lambda: "RUNNING" in ray_cluster.jobs().values(), "Ray")
 
 
 def test_readme_ray_job_submit_runs_the_worker_without_a_server(ray_cluster, tmp_path):

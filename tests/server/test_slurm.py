@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reshard_svc
-from tests.server.conftest import assert_holds, make_tp4, tensors
+from tests.server.conftest import assert_holds, assert_reattaches, make_tp4, tensors
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slurm]
 
@@ -97,15 +97,7 @@ def test_cancel_runs_scancel_and_never_commits(make_server, slurm, tmp_path):
 def test_server_restart_reattaches_running_job(make_server, slurm, tmp_path):
     server = slurm_server(make_server, slurm, tmp_path)
     job_id, dst = slow_slurm_job(server, tmp_path, "restart")
-    server.kill9()
-    time.sleep(1)
-    assert squeue_ids(slurm), "the Slurm job must outlive the server"
-    server.start()  # same database: re-attach, do not launch again
-    with server.client() as c:
-        final = c.wait(job_id, timeout=240)
-        assert final.state.value == "succeeded", (final.error, c.logs(job_id).text)
-        assert final.attempts == 1
-    assert reshard_svc.verify(dst).ok
+    assert_reattaches(server, job_id, dst, lambda: bool(squeue_ids(slurm)), "Slurm")
 
 
 def readme_block(name: str) -> str:

@@ -242,3 +242,28 @@ def test_readme_steps_commands(tmp_path):
     }
     assert rows[300]["committed"] is False and rows[300]["bytes"] == 10
     assert sorted(os.listdir(root)) == [step_name(s) for s in (100, 150, 200, 250, 300)]
+
+
+def test_retention_collects_the_lease_of_a_save_killed_before_its_folder(tmp_path):
+    """A save holds its step's lease before it makes the folder: killed in between, it
+    leaves only ``.step-N.lease.json``, which the next retention collects (a dead pid)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    root.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    lease = root / f".{step_name(5)}.lease.json"
+    lease.write_text(json.dumps({
+        "host": socket.gethostname(), "kind": "save", "owner": "", "pid": int(dead.stdout),
+        "pid_start": 1, "renewed": 0.0, "replaces": [], "started": 0.0, "token": "0" * 32,
+        "ttl": 120.0,
+    }))  # fmt: skip
+    other = root / "notes.lease.json"  # not ours: never touched
+    other.write_text("{}")
+    with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:
+        mgr.save(10, {"w": torch.zeros(3)})
+    assert sorted(os.listdir(root)) == ["notes.lease.json", step_name(10)]
