@@ -236,8 +236,6 @@ class WeightSync:
         layout on any rank re-plans everywhere and pushes whole pieces)."""
         if self._push is not None:
             raise UsageError("begin() again before commit() or abort() of the push in flight")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise UsageError(f"a push's version is an int >= 0, got {version!r}")
         if src is not None:
             self._src = src
         if dst is not None:
@@ -251,13 +249,18 @@ class WeightSync:
                 self._new_plan(entry)
             self._notice_foreign_writes(local)
             waves = len(entry.plan.waves)
-            mine = {
-                "version": version,
-                "committed": self._committed,
-                "held": [self._held.get(w) for w in range(waves)],
-                "sent": [self._sent.get(w) if self._delta else None for w in range(waves)],
-            }
-            _, table = comm.run_everywhere("sync: agreeing on the version", lambda: mine)
+
+            def agree() -> dict[str, Any]:  # a bad version fails every rank, not just its own
+                if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                    raise UsageError(f"a push's version is an int >= 0, got {version!r}")
+                return {
+                    "version": version,
+                    "committed": self._committed,
+                    "held": [self._held.get(w) for w in range(waves)],
+                    "sent": [self._sent.get(w) if self._delta else None for w in range(waves)],
+                }
+
+            _, table = comm.run_everywhere("sync: agreeing on the version", agree)
             _check_versions(version, table)
             if self._verify:
                 _check_sources(entry, local, comm)

@@ -89,6 +89,9 @@ def test_versions_must_go_up_and_agree(results):
         assert "version 5 does not come after version 20" in e["backwards"]
         assert "version 20 does not come after version 20" in e["same"]
         assert "every rank must push the same version" in e["differs"]
+        # a bad version on one rank fails every rank at the agreement (nobody waits forever)
+        assert "a push's version is an int >= 0, got -1" in e["negative_on_one_rank"]
+        assert e["negative_on_one_rank"].startswith("UsageError" if rank == 3 else "Distributed")
         assert r[rank]["version"] == 20
 
 

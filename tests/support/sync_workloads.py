@@ -101,7 +101,13 @@ def rl_loop() -> dict[str, Any]:
     LocalShards (ranks 4-7): 20 pushes through begin/update/commit with sparse to dense
     changes; a restarted engine rank, a target overwritten behind the session's back, an
     aborted push, versions that go backwards or differ, and a trainer re-layout."""
-    from reshard_svc import TransferAbortedError, TransferError, WeightSync
+    from reshard_svc import (
+        DistributedError,
+        TransferAbortedError,
+        TransferError,
+        UsageError,
+        WeightSync,
+    )
     from reshard_svc.runtime import sync as runtime
 
     rank = dist.get_rank()
@@ -155,12 +161,14 @@ def rl_loop() -> dict[str, Any]:
     out["snapshot_bytes"] = sync.snapshot_bytes
     out["version"] = sync.version
     errors = {}
-    for case, version in (("backwards", 5), ("same", 20), ("differs", 21 + (rank == 3))):
+    cases = (("backwards", 5), ("same", 20), ("differs", 21 + (rank == 3)),
+             ("negative_on_one_rank", -1 if rank == 3 else 21))  # fmt: skip
+    for case, version in cases:
         try:
             sync.push(version)
             errors[case] = None
-        except TransferError as e:
-            errors[case] = str(e)
+        except (TransferError, UsageError, DistributedError) as e:
+            errors[case] = f"{type(e).__name__}: {e}"
     out["errors"] = errors
     # the trainer re-wraps (FSDP over all four ranks): every rank re-plans, pushes whole
     truth.step(30, 0.01)
