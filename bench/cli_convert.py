@@ -117,8 +117,17 @@ def bench_dir(base: str, runs: int, size: str = "full") -> dict:
         shutil.rmtree(base, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in walls.items()}
     for k, v in walls.items():
-        print(json.dumps({"bench": "cli_convert", "dir": base, "op": k,
-                          "wall_s": round(med[k], 3), "wall_s_all": [round(x, 3) for x in v]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "cli_convert",
+                    "dir": base,
+                    "op": k,
+                    "wall_s": round(med[k], 3),
+                    "wall_s_all": [round(x, 3) for x in v],
+                }
+            )
+        )
     gib = (sizes[big] - sizes[tiny]) / 2**30
     marginal = {op: (med[f"{op}-{big}"] - med[f"{op}-{tiny}"]) / gib for op in OPS}
     return {
@@ -154,12 +163,27 @@ def bench_startup(base: str, runs: int) -> dict:
         shutil.rmtree(base, ignore_errors=True)
     med = {w: statistics.median(v) for w, v in walls.items()}
     for w, v in walls.items():
-        print(json.dumps({"bench": "cli_convert", "dir": base, "op": f"startup-workers{w}",
-                          "bytes": size, "wall_s": round(med[w], 3),
-                          "wall_s_all": [round(x, 3) for x in v]}))  # fmt: skip
-    return {"bench": "cli_convert", "dir": base, "runs": runs, "startup_bytes": size,
-            "startup_w1_s": round(med[1], 3), "startup_w2_s": round(med[2], 3),
-            "startup_ratio_w2_over_w1": round(med[2] / med[1], 2)}  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "cli_convert",
+                    "dir": base,
+                    "op": f"startup-workers{w}",
+                    "bytes": size,
+                    "wall_s": round(med[w], 3),
+                    "wall_s_all": [round(x, 3) for x in v],
+                }
+            )
+        )
+    return {
+        "bench": "cli_convert",
+        "dir": base,
+        "runs": runs,
+        "startup_bytes": size,
+        "startup_w1_s": round(med[1], 3),
+        "startup_w2_s": round(med[2], 3),
+        "startup_ratio_w2_over_w1": round(med[2] / med[1], 2),
+    }
 
 
 def main() -> None:

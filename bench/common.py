@@ -259,8 +259,13 @@ def launch(
         except subprocess.CalledProcessError as e:
             if attempt == attempts:
                 raise
-            note = {"warning": "baseline run failed; running it again", "exit": e.returncode,
-                    "script": os.path.basename(script), "args": args, "attempt": attempt}  # fmt: skip
+            note = {
+                "warning": "baseline run failed; running it again",
+                "exit": e.returncode,
+                "script": os.path.basename(script),
+                "args": args,
+                "attempt": attempt,
+            }
             print(json.dumps(note), file=sys.stderr)
     with open(results) as f:
         return [json.loads(line) for line in f]

@@ -111,9 +111,15 @@ def cp_floor(src: str, dst: str) -> dict:
 
 
 OPS = (
-    "cp", "ours-tp2", "ours-tp2-sha256", "ours-tp2-none", "dcp-tp2", "ours-tp8", "ours-hf",
+    "cp",
+    "ours-tp2",
+    "ours-tp2-sha256",
+    "ours-tp2-none",
+    "dcp-tp2",
+    "ours-tp8",
+    "ours-hf",
     "dcp-hf",
-)  # fmt: skip
+)
 #: the other checksum settings, left out by ``--variants defaults``
 VARIANTS = ("ours-tp2-sha256", "ours-tp2-none")
 
@@ -145,8 +151,13 @@ def main() -> None:
                 if op == "cp":
                     per_rank = [cp_floor(f"{args.dir}/src", f"{args.dir}/out-cp")]
                 else:
-                    per_rank = common.launch(2, __file__, [*base, "--op", op], results,
-                                             attempts=2 if op.startswith("dcp") else 1)  # fmt: skip
+                    per_rank = common.launch(
+                        2,
+                        __file__,
+                        [*base, "--op", op],
+                        results,
+                        attempts=2 if op.startswith("dcp") else 1,
+                    )
                 runs.setdefault(op, []).append(per_rank)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)

@@ -30,10 +30,15 @@ TOKEN = "bench-token"
 
 
 def start_server(base: Path, port: int, **settings: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "RESHARD_TOKEN": TOKEN, "RESHARD_ROOTS": str(base),
-           "RESHARD_DB": str(base / f"jobs-{port}.db"),
-           "RESHARD_DATA_DIR": str(base / f"server-{port}"), "RESHARD_POLL_INTERVAL_S": "0.1",
-           **{f"RESHARD_{k.upper()}": v for k, v in settings.items()}}  # fmt: skip
+    env = {
+        **os.environ,
+        "RESHARD_TOKEN": TOKEN,
+        "RESHARD_ROOTS": str(base),
+        "RESHARD_DB": str(base / f"jobs-{port}.db"),
+        "RESHARD_DATA_DIR": str(base / f"server-{port}"),
+        "RESHARD_POLL_INTERVAL_S": "0.1",
+        **{f"RESHARD_{k.upper()}": v for k, v in settings.items()},
+    }
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -69,9 +74,12 @@ def run_job(port: int, spec: dict) -> dict:
         if done.state.value != "succeeded":
             raise RuntimeError(f"{done.error}\n{c.logs(job.id, tail=40).text}")
         logs = c.logs(job.id).text
-    return {"submit_to_done_s": round(wall, 3),
-            "running_s": round((done.finished_at - done.started_at).total_seconds(), 3),
-            "bytes": done.progress.bytes_total, "log": logs}  # fmt: skip
+    return {
+        "submit_to_done_s": round(wall, 3),
+        "running_s": round((done.finished_at - done.started_at).total_seconds(), 3),
+        "bytes": done.progress.bytes_total,
+        "log": logs,
+    }
 
 
 def main() -> None:
@@ -94,10 +102,14 @@ def main() -> None:
         ports = {"local": free_port(), "slurm": free_port()}
         servers = [
             start_server(base, ports["local"]),
-            start_server(base, ports["slurm"], launcher="slurm",
-                         slurm_extra_args="--nodes=1 --ntasks-per-node=2",
-                         slurm_log_dir=str(base / "slurm-logs")),
-        ]  # fmt: skip
+            start_server(
+                base,
+                ports["slurm"],
+                launcher="slurm",
+                slurm_extra_args="--nodes=1 --ntasks-per-node=2",
+                slurm_log_dir=str(base / "slurm-logs"),
+            ),
+        ]
         walls: dict[str, list[float]] = {"local": [], "slurm": []}
         last_log = ""
         try:
@@ -105,8 +117,9 @@ def main() -> None:
                 for engine in ("local", "slurm"):
                     dst = base / f"out-{engine}-{i}"
                     spec = {"source": str(base / "src"), "target": str(dst), "mesh": {"tp": 4}}
-                    spec.update({"workers": 2} if engine == "local" else
-                                {"nodes": 2, "workers_per_node": 1})  # fmt: skip
+                    spec.update(
+                        {"workers": 2} if engine == "local" else {"nodes": 2, "workers_per_node": 1}
+                    )
                     r = run_job(ports[engine], spec)
                     walls[engine].append(r["submit_to_done_s"])
                     if engine == "slurm":
@@ -120,10 +133,18 @@ def main() -> None:
                 s.terminate()
                 s.wait(30)
     med = {k: round(statistics.median(v), 3) for k, v in walls.items()}
-    print(json.dumps({"bench": "launchers", "size": args.size, "runs": args.runs,
-                      "local_submit_to_done_s": med["local"],
-                      "slurm_2node_submit_to_done_s": med["slurm"],
-                      "slurm_over_local": round(med["slurm"] / med["local"], 2)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "launchers",
+                "size": args.size,
+                "runs": args.runs,
+                "local_submit_to_done_s": med["local"],
+                "slurm_2node_submit_to_done_s": med["slurm"],
+                "slurm_over_local": round(med["slurm"] / med["local"], 2),
+            }
+        )
+    )
     print("---- last Slurm job's log ----")
     print(last_log)
     shutil.rmtree(base, ignore_errors=True)

@@ -80,14 +80,18 @@ def saved_index(model: dict, src: dict[str, Layout]) -> CheckpointIndex:
             f = f"shard-{it.writer:05d}.safetensors"
             begin = ends.get(it.writer, 0)
             ends[it.writer] = begin + it.box.numel * 2
-            chunks.append(Chunk(it.box, f, begin, ends[it.writer]))
-        tensors[name] = TensorMeta(name, torch.bfloat16, shape, src[kind], tuple(chunks))
+            chunks.append(Chunk(box=it.box, file=f, begin=begin, end=ends[it.writer]))
+        tensors[name] = TensorMeta(
+            name=name, dtype=torch.bfloat16, shape=shape, layout=src[kind], chunks=tuple(chunks)
+        )
     return CheckpointIndex(tensors=tensors, files={})
 
 
 def wanted_at(model: dict, dst: dict[str, Layout]) -> dict:
-    return {n: [Held(box=it.box, holders=it.holders) for it in dst[k].write_items(s, 2)]
-            for n, (s, k) in model.items()}  # fmt: skip
+    return {
+        n: [Held(box=it.box, holders=it.holders) for it in dst[k].write_items(s, 2)]
+        for n, (s, k) in model.items()
+    }
 
 
 def time_plan(index, wanted, world: int, strategy: str, runs: int) -> tuple[float, object]:
@@ -124,7 +128,7 @@ def torch_per_rank(index: CheckpointIndex, model: dict, dst: dict, world: int, r
             chunks=[
                 ChunkStorageMetadata(torch.Size(c.box.offsets), torch.Size(c.box.sizes))
                 for c in index.tensors[k].chunks
-            ],  # fmt: skip
+            ],
         )
         for k, (s, _) in model.items()
     }
@@ -133,8 +137,10 @@ def torch_per_rank(index: CheckpointIndex, model: dict, dst: dict, world: int, r
     t0 = time.perf_counter()
     for rank in sample:
         for k, (s, kind) in model.items():
-            local = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
-                     for b in dst[kind].rank_boxes(s, rank)]  # fmt: skip
+            local = [
+                ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
+                for b in dst[kind].rank_boxes(s, rank)
+            ]
             items += len(create_read_items_for_chunk_list(k, md[k], local))
     return (time.perf_counter() - t0) / len(sample), len(sample), items
 
@@ -153,8 +159,10 @@ def index_of(model: dict, src: dict[str, Layout], itemsize: int = 2) -> Checkpoi
             f = f"shard-{it.writer:05d}.safetensors"
             begin = ends.get(it.writer, 0)
             ends[it.writer] = begin + it.box.numel * itemsize
-            chunks.append(Chunk(it.box, f, begin, ends[it.writer]))
-        tensors[name] = TensorMeta(name, torch.bfloat16, shape, src[kind], tuple(chunks))
+            chunks.append(Chunk(box=it.box, file=f, begin=begin, end=ends[it.writer]))
+        tensors[name] = TensorMeta(
+            name=name, dtype=torch.bfloat16, shape=shape, layout=src[kind], chunks=tuple(chunks)
+        )
     return CheckpointIndex(tensors=tensors, files={})
 
 
@@ -169,8 +177,15 @@ def replication_sweep(runs: int, torch_ranks: int) -> list[dict]:
         s, plan = time_plan(index, wanted, holders, "exchange", runs)
         per_rank, _, _ = torch_per_rank(index, model, dst, holders, torch_ranks)
         q = quality(plan)
-        rows.append({"holders": holders, "plan_s": round(s, 4), "torch_per_rank_s":
-                     round(per_rank, 4), **q, "rss_mb": rss_mb()})  # fmt: skip
+        rows.append(
+            {
+                "holders": holders,
+                "plan_s": round(s, 4),
+                "torch_per_rank_s": round(per_rank, 4),
+                **q,
+                "rss_mb": rss_mb(),
+            }
+        )
     return rows
 
 
@@ -196,10 +211,14 @@ def moe_1t(layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def moe_case(layers: int, torch_ranks: int) -> dict:
-    src = {k: Layout.parse("dp=32,ep=64", p) for k, p in
-           (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))}  # fmt: skip
-    dst = {k: Layout.parse("ep=256,tp=16", p) for k, p in
-           (("dense", "R,S(0)"), ("norm", "R,R"), ("experts", "S(0),S(1)"))}  # fmt: skip
+    src = {
+        k: Layout.parse("dp=32,ep=64", p)
+        for k, p in (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))
+    }
+    dst = {
+        k: Layout.parse("ep=256,tp=16", p)
+        for k, p in (("dense", "R,S(0)"), ("norm", "R,R"), ("experts", "S(0),S(1)"))
+    }
     model = moe_1t(layers)
     index = index_of(model, src)
     params = sum(math.prod(s) for s, _ in model.values())
@@ -209,13 +228,20 @@ def moe_case(layers: int, torch_ranks: int) -> dict:
     s, plan = time_plan(index, wanted, 4096, "exchange", 1)
     per_rank, timed, _ = torch_per_rank(index, model, dst, 4096, torch_ranks)
     return {
-        "bench": "plan", "case": "1T MoE, dp=32 x ep=64 (2,048) -> ep=256 x tp=16 (4,096)",
-        "layers": layers, "params": params,
+        "bench": "plan",
+        "case": "1T MoE, dp=32 x ep=64 (2,048) -> ep=256 x tp=16 (4,096)",
+        "layers": layers,
+        "params": params,
         "source_chunks": sum(len(t.chunks) for t in index.tensors.values()),
-        "targets_s": round(targets_s, 3), "plan_s": round(s, 3), "waves": len(plan.waves),
-        "reads": plan.reads_count(), **quality(plan), "rss_mb": rss_mb(),
-        "torch_ranks_timed": timed, "torch_per_rank_s": round(per_rank, 4),
-    }  # fmt: skip
+        "targets_s": round(targets_s, 3),
+        "plan_s": round(s, 3),
+        "waves": len(plan.waves),
+        "reads": plan.reads_count(),
+        **quality(plan),
+        "rss_mb": rss_mb(),
+        "torch_ranks_timed": timed,
+        "torch_per_rank_s": round(per_rank, 4),
+    }
 
 
 MOE_RULES = {"*.moe.experts.*": "S(0),S(1)", "*norm*": "R,R", "*.router.*": "R,R", "*": "R,S(0)"}
@@ -232,8 +258,10 @@ def reshard_plan_1t(layers: int) -> dict:
 
     from reshard_svc.format.index import FileMeta
 
-    src = {k: Layout.parse("dp=32,ep=64", p) for k, p in
-           (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))}  # fmt: skip
+    src = {
+        k: Layout.parse("dp=32,ep=64", p)
+        for k, p in (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))
+    }
     index = index_of(moe_1t(layers), src)
     ends: dict[str, int] = {}
     for t in index.tensors.values():
@@ -245,15 +273,29 @@ def reshard_plan_1t(layers: int) -> dict:
             with open(Path(tmp, f), "wb") as fh:
                 fh.truncate(n)
         Path(tmp, "reshard.index.json").write_bytes(index.dumps())
-        cmd = [str(Path(sys.executable).with_name("reshard")), "plan", tmp, "--mesh",
-               "ep=256,tp=16", "--rules", json.dumps(MOE_RULES), "--load", "--json"]  # fmt: skip
+        cmd = [
+            str(Path(sys.executable).with_name("reshard")),
+            "plan",
+            tmp,
+            "--mesh",
+            "ep=256,tp=16",
+            "--rules",
+            json.dumps(MOE_RULES),
+            "--load",
+            "--json",
+        ]
         t0 = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"reshard plan failed: {out.stderr.strip()}")
         wall = time.perf_counter() - t0
-    return {"bench": "plan", "case": "reshard plan --load, 1T MoE on ep=256 x tp=16",
-            "layers": layers, "cli_wall_s": round(wall, 2), **json.loads(out.stdout)}  # fmt: skip
+    return {
+        "bench": "plan",
+        "case": "reshard plan --load, 1T MoE on ep=256 x tp=16",
+        "layers": layers,
+        "cli_wall_s": round(wall, 2),
+        **json.loads(out.stdout),
+    }
 
 
 def main() -> None:
@@ -288,16 +330,28 @@ def main() -> None:
     for workers, (dp, tp) in ((64, (4, 16)), (512, (32, 16))):
         w = wanted_at(model, layouts(dp, tp))
         q = quality(choose_plan(index, w, workers, BUDGET, "exchange", LOCAL))
-        rows.append({"bench": "plan", "case": f"quality, exchange, {workers} workers",
-                     "target": f"dp={dp},tp={tp}", **q})  # fmt: skip
+        rows.append(
+            {
+                "bench": "plan",
+                "case": f"quality, exchange, {workers} workers",
+                "target": f"dp={dp},tp={tp}",
+                **q,
+            }
+        )
     scaling = []
     for layers in sorted({max(1, args.layers // 4), max(1, args.layers // 2), args.layers}):
         m = llama405b(layers)
         ix, wt = saved_index(m, src), wanted_at(m, dst)
         s, _ = time_plan(ix, wt, world, "auto", args.runs)
         n = sum(len(t.chunks) for t in ix.tensors.values())
-        scaling.append({"layers": layers, "source_chunks": n, "plan_s": round(s, 3),
-                        "us_per_chunk": round(s / n * 1e6, 2)})  # fmt: skip
+        scaling.append(
+            {
+                "layers": layers,
+                "source_chunks": n,
+                "plan_s": round(s, 3),
+                "us_per_chunk": round(s / n * 1e6, 2),
+            }
+        )
     per_rank, timed, items = torch_per_rank(index, model, dst, world, args.torch_ranks)
     for row in rows:
         print(json.dumps(row))

@@ -109,10 +109,15 @@ def main() -> None:
             for system in common.rotated(SYSTEMS, run):
                 shutil.rmtree(args.dir, ignore_errors=True)
                 os.makedirs(args.dir)
-                runs[system].append(common.launch(
-                    4, __file__, ["--size", args.size, "--dir", args.dir, "--system", system],
-                    results, attempts=1 if system == "ours" else 2,
-                ))  # fmt: skip
+                runs[system].append(
+                    common.launch(
+                        4,
+                        __file__,
+                        ["--size", args.size, "--dir", args.dir, "--system", system],
+                        results,
+                        attempts=1 if system == "ours" else 2,
+                    )
+                )
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
         if os.path.exists(results):
@@ -126,12 +131,21 @@ def main() -> None:
                 out.append(max(r["saves"][i][key] for r in ranks))
         return out
 
-    summary: dict = {"bench": "training_loop", "size": args.size, "ranks": 4, "runs": args.runs,
-                     "model_bytes": common.model_bytes(args.size), "steps": STEPS, "every": EVERY}  # fmt: skip
+    summary: dict = {
+        "bench": "training_loop",
+        "size": args.size,
+        "ranks": 4,
+        "runs": args.runs,
+        "model_bytes": common.model_bytes(args.size),
+        "steps": STEPS,
+        "every": EVERY,
+    }
     for system in SYSTEMS:
         stalls, commits = per_save(system, "stall_s"), per_save(system, "commit_s")
-        rss = [[max(r["saves"][i]["rss_mb"] for r in ranks) for i in range(len(ranks[0]["saves"]))]
-               for ranks in runs[system]]  # fmt: skip
+        rss = [
+            [max(r["saves"][i]["rss_mb"] for r in ranks) for i in range(len(ranks[0]["saves"]))]
+            for ranks in runs[system]
+        ]
         summary[f"{system}_stall_s"] = round(statistics.median(stalls), 3)
         summary[f"{system}_stall_s_all"] = [round(x, 3) for x in stalls]
         summary[f"{system}_commit_s"] = round(statistics.median(commits), 3)

@@ -104,9 +104,13 @@ def dtensor(mesh: Any, pls: list[str], shape: tuple[int, ...], fill: int | None)
         g = torch.Generator().manual_seed(fill * 1_000_003 + hash(first) % 1_000_003)
         local = torch.randn(local_shape, generator=g).to(torch.bfloat16)
     return DTensor.from_local(
-        local, mesh, _compat.to_torch_placements(placements), run_check=False, shape=shape,
+        local,
+        mesh,
+        _compat.to_torch_placements(placements),
+        run_check=False,
+        shape=shape,
         stride=common._contiguous_stride(shape),
-    )  # fmt: skip
+    )
 
 
 class Setup:
@@ -298,25 +302,34 @@ def delta_summary(args: argparse.Namespace, runs: list[list[dict[str, Any]]]) ->
         return round(statistics.median(max(r[key][field] for r in run) for run in runs) / scale, 3)
 
     out: dict[str, Any] = {
-        "bench": "transfer", "case": "delta, fsdp4_to_tp4", "size": args.size,
-        "model_bytes": common.model_bytes(args.size), "ranks": 8, "runs": args.runs,
-        "full_s": med("full", "wall_s"), "full_busiest_sent_mb": med("full", "sent", 1e6),
-        "gen1_s": med("gen1", "wall_s"), "gen1_busiest_sent_mb": med("gen1", "sent", 1e6),
+        "bench": "transfer",
+        "case": "delta, fsdp4_to_tp4",
+        "size": args.size,
+        "model_bytes": common.model_bytes(args.size),
+        "ranks": 8,
+        "runs": args.runs,
+        "full_s": med("full", "wall_s"),
+        "full_busiest_sent_mb": med("full", "sent", 1e6),
+        "gen1_s": med("gen1", "wall_s"),
+        "gen1_busiest_sent_mb": med("gen1", "sent", 1e6),
         "first_push_s": med("first_push", "wall_s"),
         "snapshot_mb_per_trainer_rank": round(
-            statistics.median(max(r["snapshot_mb"] for r in run) for run in runs), 1),
-    }  # fmt: skip
+            statistics.median(max(r["snapshot_mb"] for r in run) for run in runs), 1
+        ),
+    }
     for label, _ in PUSHES:
         wall, sent = med(label, "wall_s"), med(label, "sent", 1e6)
         out[label] = {
-            "changed": round(statistics.median(
-                max(r[f"share_{label}"] for r in run) for run in runs), 5),
-            "wall_s": wall, "busiest_sent_mb": sent,
+            "changed": round(
+                statistics.median(max(r[f"share_{label}"] for r in run) for run in runs), 5
+            ),
+            "wall_s": wall,
+            "busiest_sent_mb": sent,
             "session_busiest_sent_mb": med(label, "session_sent", 1e6),
             "wall_over_full": round(wall / out["full_s"], 3),
             "sent_over_full": round(sent / out["full_busiest_sent_mb"], 4),
             "wall_all": [round(max(r[label]["wall_s"] for r in run), 3) for run in runs],
-        }  # fmt: skip
+        }
     out["gen1_over_ours_wall_at_1pct"] = round(out["gen1_s"] / out["1%"]["wall_s"], 2)
     out["bitwise_equal"] = all(r["bitwise_equal"] for run in runs for r in run)
     return out

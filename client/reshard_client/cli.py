@@ -109,9 +109,24 @@ def _size(n: int) -> str:
 
 
 #: box colours, cycled (distinct on dark and light terminals)
-PALETTE = ("red", "green", "blue", "magenta", "cyan", "yellow", "bright_red", "bright_green",
-           "bright_blue", "bright_magenta", "bright_cyan", "dark_orange", "purple", "orchid",
-           "turquoise2", "gold3")  # fmt: skip
+PALETTE = (
+    "red",
+    "green",
+    "blue",
+    "magenta",
+    "cyan",
+    "yellow",
+    "bright_red",
+    "bright_green",
+    "bright_blue",
+    "bright_magenta",
+    "bright_cyan",
+    "dark_orange",
+    "purple",
+    "orchid",
+    "turquoise2",
+    "gold3",
+)
 LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
 
@@ -126,18 +141,28 @@ def _draw_layout(index: Any, name: str, as_json: bool) -> None:
         hint = f"; did you mean {', '.join(near)}?" if near else ""
         from reshard_svc.errors import UsageError
 
-        raise _fail(UsageError(f"no tensor {name!r} in this checkpoint{hint} (reshard inspect "
-                               "lists them)"))  # fmt: skip
+        raise _fail(
+            UsageError(f"no tensor {name!r} in this checkpoint{hint} (reshard inspect lists them)")
+        )
     pic = layout_picture(meta)
     if as_json:
         sys.stdout.write(json.dumps(pic, indent=1) + "\n")
         return
     boxes = pic["boxes"]
-    out.print(f"[bold]{name}[/]  {pic['dtype']} {'x'.join(map(str, pic['shape'])) or 'scalar'}"
-              f"  {pic['layout'] or '(no layout recorded: stored chunks)'}", highlight=False)  # fmt: skip
+    out.print(
+        f"[bold]{name}[/]  {pic['dtype']} {'x'.join(map(str, pic['shape'])) or 'scalar'}"
+        f"  {pic['layout'] or '(no layout recorded: stored chunks)'}",
+        highlight=False,
+    )
     dims = pic["dims_drawn"]
-    out.print(f"rows: dim {dims[0]}, columns: dim {dims[1]}" if len(dims) == 2 else
-              "one row: dim 0" if dims else "a scalar", highlight=False)  # fmt: skip
+    out.print(
+        f"rows: dim {dims[0]}, columns: dim {dims[1]}"
+        if len(dims) == 2
+        else "one row: dim 0"
+        if dims
+        else "a scalar",
+        highlight=False,
+    )
     for row in pic["grid"]:
         line = Text()
         for k in row:
@@ -150,9 +175,12 @@ def _draw_layout(index: Any, name: str, as_json: bool) -> None:
         where = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(b["offsets"], b["sizes"])) + "]"
         if b["holders"]:
             who = "; ".join(",".join(f"{n}={v}" for n, v in c.items()) for c in b["coords"])
-            held = f"rank {b['holders'][0]}" if len(b["holders"]) == 1 else \
-                f"{len(b['holders'])} replicas: ranks {', '.join(map(str, b['holders'][:8]))}" + \
-                ("…" if len(b["holders"]) > 8 else "")  # fmt: skip
+            held = (
+                f"rank {b['holders'][0]}"
+                if len(b["holders"]) == 1
+                else f"{len(b['holders'])} replicas: ranks {', '.join(map(str, b['holders'][:8]))}"
+                + ("…" if len(b["holders"]) > 8 else "")
+            )
             text = f"{where}  {held}  ({who[:200]})"
         else:
             text = f"{where}  {b.get('file', '')}"
@@ -180,7 +208,7 @@ def inspect(
             help="Draw TENSOR's layout: its boxes, coloured by the mesh coordinates "
             "that hold them (with --json: the picture's data).",
         ),
-    ] = None,  # fmt: skip
+    ] = None,
 ) -> None:
     """Show a checkpoint's tensors: dtype, shape, layout, chunks and bytes."""
     from reshard_svc import ReshardError
@@ -337,14 +365,26 @@ def convert(
     try:
         renames = load_renames(rename)
         spec = ConvertSpec(
-            src, dst, mesh=_parse_mesh(mesh), rules=_parse_rules(rules), format=format,  # type: ignore[arg-type]
-            dtype=dtype, keep_dtype=keep_dtype or None, strategy=strategy,  # type: ignore[arg-type]
-            checksum=checksum, max_memory=max_memory, max_shard_size=max_shard_size,
-            workers_per_node=workers, overwrite=overwrite, only=only or None,
-            strip_prefix=strip_prefix, copy_config=not no_copy_config,
-            rename=[str(r) for r in renames] if renames else None, split_layers=split_layers,
+            source=src,
+            target=dst,
+            mesh=_parse_mesh(mesh),
+            rules=_parse_rules(rules),
+            format=format,  # type: ignore[arg-type]
+            dtype=dtype,
+            keep_dtype=keep_dtype or None,
+            strategy=strategy,  # type: ignore[arg-type]
+            checksum=checksum,
+            max_memory=max_memory,
+            max_shard_size=max_shard_size,
+            workers_per_node=workers,
+            overwrite=overwrite,
+            only=only or None,
+            strip_prefix=strip_prefix,
+            copy_config=not no_copy_config,
+            rename=[str(r) for r in renames] if renames else None,
+            split_layers=split_layers,
             dequantize=dequantize,
-        ).checked()  # fmt: skip
+        ).checked()
         spec.preflight()  # before any worker starts
     except ReshardError as e:
         raise _fail(e) from None
@@ -358,8 +398,11 @@ def convert(
         signal.signal(signal.SIGTERM, previous)
     if outcome.interrupted and outcome.done is None:
         hint = f"; `reshard gc {dst}` removes what it left" if leftovers(dst) else ""
-        err.print(f"[bold red]error:[/] interrupted: nothing was committed to {dst}{hint}"
-                  f"{_worker_log(outcome.log_path)}", highlight=False)  # fmt: skip
+        err.print(
+            f"[bold red]error:[/] interrupted: nothing was committed to {dst}{hint}"
+            f"{_worker_log(outcome.log_path)}",
+            highlight=False,
+        )
         raise typer.Exit(130)
     _report(outcome, f"{src} -> {dst}", as_json)
 
@@ -385,8 +428,9 @@ def _report(outcome: Any, what: str, as_json: bool) -> None:
     names their log (kept only then)."""
     done = outcome.done
     if done is None:
-        err.print(f"[bold red]error:[/] {outcome.error}{_worker_log(outcome.log_path)}",
-                  highlight=False)  # fmt: skip
+        err.print(
+            f"[bold red]error:[/] {outcome.error}{_worker_log(outcome.log_path)}", highlight=False
+        )
         raise typer.Exit(2)
     if outcome.log_path:
         with contextlib.suppress(OSError):
@@ -447,8 +491,11 @@ def gc(
         from reshard_svc.storage import open_storage
 
         if open_storage(uri).root_kind() == "missing":
-            err.print(f"[bold red]error:[/] {uri} does not exist and nothing was left beside it: "
-                      "check the path", highlight=False)  # fmt: skip
+            err.print(
+                f"[bold red]error:[/] {uri} does not exist and nothing was left beside it: "
+                "check the path",
+                highlight=False,
+            )
             raise typer.Exit(2)
         out.print(f"nothing to collect at {uri}", highlight=False)
 
@@ -490,8 +537,13 @@ def steps(
             if r.age_s >= 60
             else f"{r.age_s:.0f} s"
         )
-        table.add_row(str(r.step), "committed" if r.committed else "partial", _size(r.bytes),
-                      age, r.policy or "-")  # fmt: skip
+        table.add_row(
+            str(r.step),
+            "committed" if r.committed else "partial",
+            _size(r.bytes),
+            age,
+            r.policy or "-",
+        )
     out.print(table)
 
 
@@ -540,11 +592,19 @@ def plan(
     try:
         renames = load_renames(rename)
         spec = ConvertSpec(
-            src, src.rstrip("/") + ".plan", mesh=_parse_mesh(mesh), rules=_parse_rules(rules),
-            format=format, dtype=dtype, strategy=strategy, max_memory=max_memory,  # type: ignore[arg-type]
-            only=only or None, strip_prefix=strip_prefix, split_layers=split_layers,
+            source=src,
+            target=src.rstrip("/") + ".plan",
+            mesh=_parse_mesh(mesh),
+            rules=_parse_rules(rules),
+            format=format,  # type: ignore[arg-type]
+            dtype=dtype,
+            strategy=strategy,  # type: ignore[arg-type]
+            max_memory=max_memory,  # type: ignore[arg-type]
+            only=only or None,
+            strip_prefix=strip_prefix,
+            split_layers=split_layers,
             rename=[str(r) for r in renames] if renames else None,
-        ).checked()  # fmt: skip
+        ).checked()
         report = dry_run(spec, world, load=load)
     except ReshardError as e:
         raise _fail(e) from None
@@ -560,11 +620,15 @@ def plan(
     table = Table(title_justify="left")
     for col in ("per worker", "max", "mean", "max/mean"):
         table.add_column(col, justify="left" if col == "per worker" else "right")
-    for label, spread in (("read from storage", report.read), ("sent", report.sent),
-                          ("received", report.received),
-                          (f"peak in flight (budget {_size(report.budget)})", report.peak_memory)):  # fmt: skip
-        table.add_row(label, _size(spread.max), _size(int(spread.mean)),
-                      f"{spread.max_over_mean:.2f}")  # fmt: skip
+    for label, spread in (
+        ("read from storage", report.read),
+        ("sent", report.sent),
+        ("received", report.received),
+        (f"peak in flight (budget {_size(report.budget)})", report.peak_memory),
+    ):
+        table.add_row(
+            label, _size(spread.max), _size(int(spread.mean)), f"{spread.max_over_mean:.2f}"
+        )
     out.print(table)
 
 

@@ -63,8 +63,9 @@ def _wait_with_bar(client: Any, job_id: str, as_json: bool) -> Any:
         try:
             return client.wait(job_id, on_progress=show, poll=0.3)
         except KeyboardInterrupt:
-            err.print(f"job {job_id} keeps running; `reshard cancel {job_id}` stops it",
-                      highlight=False)  # fmt: skip
+            err.print(
+                f"job {job_id} keeps running; `reshard cancel {job_id}` stops it", highlight=False
+            )
             raise typer.Exit(130) from None
 
 
@@ -113,9 +114,26 @@ NoCopyConfigOpt = Annotated[
 
 
 #: the flags ``submit`` and ``watch`` share: a conversion's options
-JOB_FLAGS = ("mesh", "rules", "rename", "format", "dtype", "keep_dtype", "workers", "nodes",
-             "workers_per_node", "strategy", "max_memory", "checksum", "overwrite", "only",
-             "strip_prefix", "split_layers", "dequantize", "no_copy_config")  # fmt: skip
+JOB_FLAGS = (
+    "mesh",
+    "rules",
+    "rename",
+    "format",
+    "dtype",
+    "keep_dtype",
+    "workers",
+    "nodes",
+    "workers_per_node",
+    "strategy",
+    "max_memory",
+    "checksum",
+    "overwrite",
+    "only",
+    "strip_prefix",
+    "split_layers",
+    "dequantize",
+    "no_copy_config",
+)
 
 
 def _job_options(flags: dict[str, Any]) -> dict[str, Any]:
@@ -129,10 +147,14 @@ def _job_options(flags: dict[str, Any]) -> dict[str, Any]:
         renames = load_renames(given["rename"])
     except Exception as e:  # layout / rules / rename text errors
         raise _fail(e) from None
-    given.update(mesh=mesh_value, rules=rules_value,
-                 rename=[str(r) for r in renames] if renames else None,
-                 overwrite=given["overwrite"] or None, split_layers=given["split_layers"] or None,
-                 copy_config=False if given.pop("no_copy_config") else None)  # fmt: skip
+    given.update(
+        mesh=mesh_value,
+        rules=rules_value,
+        rename=[str(r) for r in renames] if renames else None,
+        overwrite=given["overwrite"] or None,
+        split_layers=given["split_layers"] or None,
+        copy_config=False if given.pop("no_copy_config") else None,
+    )
     return {k: v for k, v in given.items() if v is not None and v != [] and v != ""}
 
 
@@ -230,8 +252,15 @@ def jobs(
         p = j.progress
         pct = f"{100 * p.bytes_done / p.bytes_total:.0f}%" if p.bytes_total else "-"
         state = f"{j.state.value} ({j.reason})" if j.reason else j.state.value
-        table.add_row(j.id, j.owner or "-", state, pct, j.source, j.target,
-                      j.created_at.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
+        table.add_row(
+            j.id,
+            j.owner or "-",
+            state,
+            pct,
+            j.source,
+            j.target,
+            j.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
     out.print(table)
 
 
@@ -255,8 +284,14 @@ def audit(
         table.add_column(col)
     for e in page.items:
         outcome = f"{e.outcome} {e.code}: {e.detail}" if e.code else e.outcome
-        table.add_row(e.at.strftime("%Y-%m-%d %H:%M:%S"), e.principal or "(unknown)", e.action,
-                      e.target, outcome, e.address)  # fmt: skip
+        table.add_row(
+            e.at.strftime("%Y-%m-%d %H:%M:%S"),
+            e.principal or "(unknown)",
+            e.action,
+            e.target,
+            outcome,
+            e.address,
+        )
     out.print(table)
 
 
@@ -368,8 +403,13 @@ def watch(
     step_N, iter_N, global_step_N, checkpoint-N folders of reshard, torch DCP or
     torch_checkpointing): one job per step, never for a half-written one."""
     options = _job_options(locals())
-    body = {"root": _absolute(root), "target": _absolute(to), "every": every,
-            "existing": existing, **options}  # fmt: skip
+    body = {
+        "root": _absolute(root),
+        "target": _absolute(to),
+        "every": every,
+        "existing": existing,
+        **options,
+    }
     _check_body("WatchCreate", body, "watch")
     with _client(url, token) as client:
         w = _remote(lambda: client.watch(body))
@@ -377,11 +417,14 @@ def watch(
         sys.stdout.write(w.model_dump_json(indent=1) + "\n")
         return
     skipped = sum(1 for s in w.steps if s.outcome == "existing")
-    out.print(f"[bold]{w.id}[/]  watching {w.root} (every {w.every}) -> {w.target}",
-              highlight=False)  # fmt: skip
+    out.print(
+        f"[bold]{w.id}[/]  watching {w.root} (every {w.every}) -> {w.target}", highlight=False
+    )
     if skipped:
-        out.print(f"  {skipped} step(s) already committed are left alone (--existing converts "
-                  "them)", highlight=False)  # fmt: skip
+        out.print(
+            f"  {skipped} step(s) already committed are left alone (--existing converts them)",
+            highlight=False,
+        )
     out.print(f"  `reshard unwatch {w.id}` stops it", highlight=False)
 
 
@@ -404,8 +447,9 @@ def watches(
     for w in page.items:
         last = next((s for s in w.steps if s.outcome != "existing"), None)
         shown = f"{last.step} ({last.job_id or last.outcome})" if last else "-"
-        table.add_row(w.id, w.state, w.root, str(w.every), w.target, str(w.submitted), shown,
-                      w.error or "")  # fmt: skip
+        table.add_row(
+            w.id, w.state, w.root, str(w.every), w.target, str(w.submitted), shown, w.error or ""
+        )
     out.print(table)
 
 

@@ -78,7 +78,7 @@ class _SSE:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Call:
     """One request of the API and how to read its answer."""
 
@@ -94,12 +94,16 @@ class _Api:
     @staticmethod
     def submit(spec: JobCreate | dict[str, Any], idempotency_key: str | None) -> _Call:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return _Call("POST", "/v1/jobs", JobPublic.model_validate,
-                     {"json": _spec(spec), "headers": headers})  # fmt: skip
+        return _Call(
+            method="POST",
+            path="/v1/jobs",
+            parse=JobPublic.model_validate,
+            options={"json": _spec(spec), "headers": headers},
+        )
 
     @staticmethod
     def get(job_id: str) -> _Call:
-        return _Call("GET", f"/v1/jobs/{job_id}", JobPublic.model_validate)
+        return _Call(method="GET", path=f"/v1/jobs/{job_id}", parse=JobPublic.model_validate)
 
     @staticmethod
     def list(state: str | None, limit: int, offset: int, owner: str | None = None) -> _Call:
@@ -108,7 +112,9 @@ class _Api:
             params["state"] = state
         if owner:
             params["owner"] = owner
-        return _Call("GET", "/v1/jobs", JobList.model_validate, {"params": params})
+        return _Call(
+            method="GET", path="/v1/jobs", parse=JobList.model_validate, options={"params": params}
+        )
 
     @staticmethod
     def audit(limit: int, principal: str | None, before: int | None) -> _Call:
@@ -117,47 +123,72 @@ class _Api:
             params["principal"] = principal
         if before:
             params["before"] = before
-        return _Call("GET", "/v1/audit", AuditList.model_validate, {"params": params})
+        return _Call(
+            method="GET",
+            path="/v1/audit",
+            parse=AuditList.model_validate,
+            options={"params": params},
+        )
 
     @staticmethod
     def cancel(job_id: str) -> _Call:
-        return _Call("POST", f"/v1/jobs/{job_id}/cancel", JobPublic.model_validate)
+        return _Call(
+            method="POST", path=f"/v1/jobs/{job_id}/cancel", parse=JobPublic.model_validate
+        )
 
     @staticmethod
     def logs(job_id: str, offset: int, tail: int | None) -> _Call:
         params: dict[str, Any] = {"offset": offset}
         if tail:
             params["tail"] = tail
-        return _Call("GET", f"/v1/jobs/{job_id}/logs", JobLogs.model_validate, {"params": params})
+        return _Call(
+            method="GET",
+            path=f"/v1/jobs/{job_id}/logs",
+            parse=JobLogs.model_validate,
+            options={"params": params},
+        )
 
     @staticmethod
     def checkpoint(uri: str) -> _Call:
-        return _Call("GET", "/v1/checkpoints", dict, {"params": {"uri": uri}})
+        return _Call(
+            method="GET", path="/v1/checkpoints", parse=dict, options={"params": {"uri": uri}}
+        )
 
     @staticmethod
     def plan(spec: PlanCreate | dict[str, Any]) -> _Call:
         model = spec if isinstance(spec, PlanCreate) else PlanCreate(**spec)
         body = model.model_dump(mode="json", exclude_none=True)
-        return _Call("POST", "/v1/plans", dict, {"json": body})
+        return _Call(method="POST", path="/v1/plans", parse=dict, options={"json": body})
 
     @staticmethod
     def watch(spec: WatchCreate | dict[str, Any]) -> _Call:
         model = spec if isinstance(spec, WatchCreate) else WatchCreate(**spec)
         body = model.model_dump(mode="json", exclude_none=True)
-        return _Call("POST", "/v1/watches", WatchPublic.model_validate, {"json": body})
+        return _Call(
+            method="POST",
+            path="/v1/watches",
+            parse=WatchPublic.model_validate,
+            options={"json": body},
+        )
 
     @staticmethod
     def watches(all: bool) -> _Call:
-        return _Call("GET", "/v1/watches", WatchList.model_validate,
-                     {"params": {"all": "true"} if all else {}})  # fmt: skip
+        return _Call(
+            method="GET",
+            path="/v1/watches",
+            parse=WatchList.model_validate,
+            options={"params": {"all": "true"} if all else {}},
+        )
 
     @staticmethod
     def get_watch(watch_id: str) -> _Call:
-        return _Call("GET", f"/v1/watches/{watch_id}", WatchPublic.model_validate)
+        return _Call(method="GET", path=f"/v1/watches/{watch_id}", parse=WatchPublic.model_validate)
 
     @staticmethod
     def unwatch(watch_id: str) -> _Call:
-        return _Call("DELETE", f"/v1/watches/{watch_id}", WatchPublic.model_validate)
+        return _Call(
+            method="DELETE", path=f"/v1/watches/{watch_id}", parse=WatchPublic.model_validate
+        )
 
     @staticmethod
     def events_path(job_id: str) -> str:

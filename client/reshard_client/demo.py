@@ -85,8 +85,10 @@ def prepare(folder: Path) -> None:
                 else:
                     leftover.unlink()
     elif any(n.name in OWN for n in folder.iterdir()):
-        raise SystemExit(f"{folder} holds {', '.join(OWN)}-like folders the demo did not make: "
-                         "pass --dir to use another folder")  # fmt: skip
+        raise SystemExit(
+            f"{folder} holds {', '.join(OWN)}-like folders the demo did not make: "
+            "pass --dir to use another folder"
+        )
     (folder / MARKER).write_text("made by `make demo` (python -m reshard_client.demo)\n")
 
 
@@ -131,8 +133,22 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
 
         step("Submitting TP=8 -> TP=2 on 2 gloo workers, following progress")
-        run([py, "-m", "reshard_client.cli", "submit", src, dst, "--mesh", "tp=2",
-             "--workers", "2", "--wait"], env)  # fmt: skip
+        run(
+            [
+                py,
+                "-m",
+                "reshard_client.cli",
+                "submit",
+                src,
+                dst,
+                "--mesh",
+                "tp=2",
+                "--workers",
+                "2",
+                "--wait",
+            ],
+            env,
+        )
         run([py, "-m", "reshard_client.cli", "jobs"], env)
 
         step("Verifying the result (coverage, headers, block CRC32Cs) and comparing every tensor")

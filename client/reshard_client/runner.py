@@ -84,13 +84,20 @@ class ProgressOut:
         """``info``: bytes_done/total, tensors_done/total (a progress event)."""
         tensors = f"{info['tensors_done']}/{info['tensors_total']} tensors"
         self.bar.update(
-            self.task, completed=info["bytes_done"], total=info["bytes_total"] or None,
+            self.task,
+            completed=info["bytes_done"],
+            total=info["bytes_total"] or None,
             tensors=tensors + (f" · {extra}" if extra else ""),
-        )  # fmt: skip
+        )
         if self.lines:
             now = time.monotonic()
-            event = {"event": "progress", **{k: info[k] for k in
-                     ("bytes_done", "bytes_total", "tensors_done", "tensors_total")}}  # fmt: skip
+            event = {
+                "event": "progress",
+                **{
+                    k: info[k]
+                    for k in ("bytes_done", "bytes_total", "tensors_done", "tensors_total")
+                },
+            }
             if event == self._sent:
                 return
             if now - self._last_line >= JSON_EVERY_S:
@@ -105,7 +112,7 @@ class ProgressOut:
         self._pending, self._sent = None, event
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     """How a local run ended: rank 0's ``done`` event, or the error to print (once)."""
 
@@ -137,12 +144,20 @@ def run_in_process(spec: Any, progress: ProgressOut) -> Outcome:
         except Exception as e:  # a bug or the machine: one line, and the log has the rest
             logging.getLogger("reshard_client").debug("convert failed", exc_info=True)
             return Outcome(error=f"{type(e).__name__}: {e}")
-    return Outcome(done={
-        "event": "done", "strategy": result.strategy, "seconds": round(time.time() - started, 3),
-        "bytes_read": result.bytes_read_total, "bytes_written": result.bytes_written_total,
-        "bytes_exchanged": result.bytes_exchanged, "tensors": len(result.index.tensors),
-        "cast": result.cast, "kept": result.kept, "dequantized": result.dequantized,
-    })  # fmt: skip
+    return Outcome(
+        done={
+            "event": "done",
+            "strategy": result.strategy,
+            "seconds": round(time.time() - started, 3),
+            "bytes_read": result.bytes_read_total,
+            "bytes_written": result.bytes_written_total,
+            "bytes_exchanged": result.bytes_exchanged,
+            "tensors": len(result.index.tensors),
+            "cast": result.cast,
+            "kept": result.kept,
+            "dequantized": result.dequantized,
+        }
+    )
 
 
 @contextlib.contextmanager
@@ -182,8 +197,13 @@ def run_workers(spec: Any, progress: ProgressOut) -> Outcome:
     progress_file = os.path.join(tmp, "progress.jsonl")
     log_fd, log_path = tempfile.mkstemp(prefix="reshard-convert-", suffix=".log")
     base = worker_env(os.environ, parent_pid=os.getpid())
-    base |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
-             "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0"}  # fmt: skip
+    base |= {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "GROUP_RANK": "0",
+    }
     cmd = [sys.executable, *spec.worker_argv(progress_file=progress_file)]
     procs: list[subprocess.Popen[bytes]] = []
     outcome = Outcome(log_path=log_path)
@@ -191,15 +211,22 @@ def run_workers(spec: Any, progress: ProgressOut) -> Outcome:
         with os.fdopen(log_fd, "wb") as log:
             for rank in range(n):
                 env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-                procs.append(subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
-                ))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
+                    )
+                )
             outcome = _follow(procs, progress, progress_file, log_path)
     except KeyboardInterrupt:
         _stop(procs)
-        outcome = Outcome(error="interrupted; nothing was committed", interrupted=True,
-                          log_path=log_path)  # fmt: skip
+        outcome = Outcome(
+            error="interrupted; nothing was committed", interrupted=True, log_path=log_path
+        )
         last = _last_events(progress_file)[1]
         if last and last.get("event") == "done":  # the commit landed before the stop
             outcome = Outcome(done=last, interrupted=True, log_path=log_path)
@@ -209,9 +236,11 @@ def run_workers(spec: Any, progress: ProgressOut) -> Outcome:
 
 
 def _follow(
-    procs: list[subprocess.Popen[bytes]], progress: ProgressOut, progress_file: str,
+    procs: list[subprocess.Popen[bytes]],
+    progress: ProgressOut,
+    progress_file: str,
     log_path: str,
-) -> Outcome:  # fmt: skip
+) -> Outcome:
     warnings = _WarningTail(log_path, progress.console)
     while True:
         codes = [p.poll() for p in procs]

@@ -79,7 +79,7 @@ def composite(crcs: Sequence[int]) -> int:
     return crc32c(struct.pack(f">{len(crcs)}I", *crcs))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockTable:
     """One file's block CRCs. Built from the index, so it is already validated."""
 
@@ -103,7 +103,9 @@ class BlockTable:
             raw = bytes.fromhex(text)
         except ValueError:
             raise CorruptCheckpointError(f"{where}.blocks is not hexadecimal") from None
-        return cls(file, size, block_size, struct.unpack(f">{want}I", raw))
+        return cls(
+            file=file, size=size, block_size=block_size, crcs=struct.unpack(f">{want}I", raw)
+        )
 
     def to_hex(self) -> str:
         return struct.pack(f">{len(self.crcs)}I", *self.crcs).hex()

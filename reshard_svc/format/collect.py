@@ -64,7 +64,7 @@ def replaced_files(storage: Storage, model_folder: bool = False) -> set[str]:
     return files
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GcReport(CollectReport):
     uri: str = ""
     live: list[str] = field(default_factory=list)
@@ -193,6 +193,9 @@ def collect(
     if report:
         logger.info(
             "gc %s: removed %d, rolled forward %d, rolled back %d",
-            storage.uri, len(report.removed), len(report.rolled_forward), len(report.rolled_back),
-        )  # fmt: skip
+            storage.uri,
+            len(report.removed),
+            len(report.rolled_forward),
+            len(report.rolled_back),
+        )
     return report

@@ -124,7 +124,13 @@ def index_from_distcp(storage: Storage) -> CheckpointIndex:
             name = str(info.relative_path)
             files.add(name)
             start = int(info.offset)
-            blobs[fqn] = Blob(fqn, name, start, start + int(info.length), "torch_save")
+            blobs[fqn] = Blob(
+                name=fqn,
+                file=name,
+                begin=start,
+                end=start + int(info.length),
+                encoding="torch_save",
+            )
             continue
         chunks = []
         for c in tmd.chunks:
@@ -141,22 +147,25 @@ def index_from_distcp(storage: Storage) -> CheckpointIndex:
             files.add(name)
             chunks.append(
                 Chunk(
-                    Box(tuple(c.offsets), tuple(c.sizes)),
-                    name,
-                    int(info.offset),
-                    int(info.offset) + int(info.length),
-                    TORCH_SAVE,
+                    box=Box(tuple(c.offsets), tuple(c.sizes)),
+                    file=name,
+                    begin=int(info.offset),
+                    end=int(info.offset) + int(info.length),
+                    encoding=TORCH_SAVE,
                 )
             )
         tensors[fqn] = TensorMeta(
-            fqn,
-            tmd.properties.dtype,
-            tuple(tmd.size),
-            None,
-            tuple(sorted(chunks, key=lambda c: c.box)),
+            name=fqn,
+            dtype=tmd.properties.dtype,
+            shape=tuple(tmd.size),
+            layout=None,
+            chunks=tuple(sorted(chunks, key=lambda c: c.box)),
         )
     index = CheckpointIndex(
-        tensors, {f: FileMeta(storage.size(f)) for f in sorted(files)}, source="dcp", blobs=blobs
+        tensors=tensors,
+        files={f: FileMeta(storage.size(f)) for f in sorted(files)},
+        source="dcp",
+        blobs=blobs,
     )
     index.check()
     return index

@@ -12,11 +12,20 @@ __all__ = ["HF_INDEX", "MODEL_FILES", "check_model_folder", "model_weights"]
 HF_INDEX = "model.safetensors.index.json"
 #: What a model folder holds besides its weights: config, generation config, tokenizer.
 MODEL_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt",
-    "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
     "preprocessor_config.json",
-)  # fmt: skip
+)
 
 
 def model_weights(storage: Storage) -> set[str]:

@@ -67,7 +67,7 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Chunk:
     """One stored box of a tensor: raw row-major bytes ``[begin, end)`` of ``file``."""
 
@@ -90,7 +90,7 @@ _RAW_SIG = operator.attrgetter("box.offsets", "box.sizes", "encoding")
 _PLACE = operator.attrgetter("file", "begin")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorMeta:
     name: str
     dtype: torch.dtype
@@ -158,7 +158,7 @@ class FileMeta:
         return cls(size, sums.get("sha256"), blocks)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Blob:
     """An opaque stored object, e.g. a DCP ``BytesStorageMetadata`` item (torchtitan's
     train_state, a dataloader's state): bytes ``[begin, end)`` of ``file``, carried through
@@ -184,8 +184,10 @@ class Blob:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "file": self.file, "byte_range": [self.begin, self.end], "encoding": self.encoding
-        }  # fmt: skip
+            "file": self.file,
+            "byte_range": [self.begin, self.end],
+            "encoding": self.encoding,
+        }
         if self.key is not None:
             out["key"] = self.key
         return out
@@ -194,7 +196,7 @@ class Blob:
 BLOB_ENCODINGS = ("torch_save", "raw")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointIndex:
     """A whole checkpoint's metadata. ``source`` says what it was read from."""
 
@@ -294,14 +296,14 @@ class CheckpointIndex:
         for name, b in (_obj(data, "blobs", where) if "blobs" in data else {}).items():
             blobs[name] = _blob_from_json(name, b, f"{where}: blobs[{name!r}]")
         return cls(
-            tensors,
-            files,
-            extras,
-            FORMAT_NAME,
-            str(data.get("created_by", "")),
-            algorithm,
-            block_size,
-            blobs,
+            tensors=tensors,
+            files=files,
+            extras=extras,
+            source=FORMAT_NAME,
+            created_by=str(data.get("created_by", "")),
+            checksum=algorithm,
+            block_size=block_size,
+            blobs=blobs,
         )
 
     def check(self) -> None:
@@ -377,15 +379,19 @@ def _blob_from_json(name: str, b: Any, where: str) -> Blob:
     key = b.get("key")
     if key is not None and (not isinstance(key, str) or len(key) > 4096):
         raise CorruptCheckpointError(f"{where}: key must be text")
-    return Blob(name, file, rng[0], rng[1], encoding, key)
+    return Blob(name=name, file=file, begin=rng[0], end=rng[1], encoding=encoding, key=key)
 
 
 def _checksum_settings(data: Mapping[str, Any], version: int, where: str) -> tuple[str, int | None]:
     """(algorithm, block_size) of an index; v1 had whole-file sha256 at most."""
     if version == 1:
-        return ("sha256" if any(
-            isinstance(f, dict) and f.get("sha256") for f in (data.get("files") or {}).values()
-        ) else "none"), None  # fmt: skip
+        return (
+            "sha256"
+            if any(
+                isinstance(f, dict) and f.get("sha256") for f in (data.get("files") or {}).values()
+            )
+            else "none"
+        ), None
     cs = data.get("checksum")
     if not isinstance(cs, dict):
         raise CorruptCheckpointError(f"{where}: 'checksum' must be an object")
@@ -467,7 +473,7 @@ def _chunk_fast(c: Any, files_ok: set[str]) -> Chunk | None:
         except CorruptCheckpointError:
             return None
         files_ok.add(fname)
-    return Chunk(Box.trusted(offs, sizes), fname, br[0], br[1], "raw")
+    return Chunk(box=Box.trusted(offs, sizes), file=fname, begin=br[0], end=br[1], encoding="raw")
 
 
 def _check_file_name(name: str, where: str) -> None:
@@ -515,5 +521,7 @@ def _tensor_from_json(name: str, t: Any, where: str) -> TensorMeta:
         encoding = c.get("encoding", "raw")
         if encoding not in ("raw", "torch_save"):
             raise CorruptCheckpointError(f"{cw}.encoding {encoding!r} is unknown")
-        chunks.append(Chunk(Box(offs, sizes), fname, br[0], br[1], encoding))
-    return TensorMeta(name, dtype, shape, layout, tuple(chunks))
+        chunks.append(
+            Chunk(box=Box(offs, sizes), file=fname, begin=br[0], end=br[1], encoding=encoding)
+        )
+    return TensorMeta(name=name, dtype=dtype, shape=shape, layout=layout, chunks=tuple(chunks))

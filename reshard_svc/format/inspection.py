@@ -81,7 +81,7 @@ def read_blob(uri: str, name: str, storage_options: Mapping[str, Any] | None = N
     return bytes(data[blob.begin - lo : blob.end - lo])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class VerifyReport:
     uri: str
     problems: list[str] = field(default_factory=list)
@@ -129,7 +129,7 @@ def verify(
 ) -> VerifyReport:
     """Check a checkpoint end to end; problems are listed, not raised. ``workers`` files
     are checked at once."""
-    report = VerifyReport(uri)
+    report = VerifyReport(uri=uri)
     try:
         storage = open_storage(uri, storage_options)
         _, index = open_checkpoint(storage)

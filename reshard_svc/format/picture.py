@@ -29,10 +29,13 @@ def layout_picture(meta: TensorMeta, rows: int = 16, cols: int = 64) -> dict[str
         mesh = meta.layout.mesh
         names = mesh.names or tuple(f"d{i}" for i in range(len(mesh.shape)))
         for item in meta.layout.write_items(shape, meta.itemsize):
-            boxes.append({
-                "box": item.box, "holders": list(item.holders),
-                "coords": [dict(zip(names, mesh.coordinate(r))) for r in item.holders],
-            })  # fmt: skip
+            boxes.append(
+                {
+                    "box": item.box,
+                    "holders": list(item.holders),
+                    "coords": [dict(zip(names, mesh.coordinate(r))) for r in item.holders],
+                }
+            )
         mesh_json: dict[str, Any] | None = {"shape": list(mesh.shape), "names": list(names)}
     else:  # no layout recorded (HF, plain files): the stored chunks, by file
         mesh_json = None
@@ -58,14 +61,25 @@ def layout_picture(meta: TensorMeta, rows: int = 16, cols: int = 64) -> dict[str
             row.append(next((k for k, b in enumerate(boxes) if _holds(b["box"], point)), -1))
         grid.append(row)
     return {
-        "tensor": meta.name, "shape": list(shape), "dtype": str(meta.dtype).removeprefix("torch."),
-        "layout": str(meta.layout) if meta.layout else None, "mesh": mesh_json,
-        "dims_drawn": drawn, "grid": grid,
-        "boxes": [{"offsets": list(b["box"].offsets), "sizes": list(b["box"].sizes),
-                   "holders": b["holders"], "coords": b["coords"],
-                   **({"file": b["file"]} if "file" in b else {})} for b in boxes],
+        "tensor": meta.name,
+        "shape": list(shape),
+        "dtype": str(meta.dtype).removeprefix("torch."),
+        "layout": str(meta.layout) if meta.layout else None,
+        "mesh": mesh_json,
+        "dims_drawn": drawn,
+        "grid": grid,
+        "boxes": [
+            {
+                "offsets": list(b["box"].offsets),
+                "sizes": list(b["box"].sizes),
+                "holders": b["holders"],
+                "coords": b["coords"],
+                **({"file": b["file"]} if "file" in b else {}),
+            }
+            for b in boxes
+        ],
         "note": _note(len(shape)),
-    }  # fmt: skip
+    }
 
 
 def _holds(box: Box, point: list[int]) -> bool:

@@ -99,7 +99,7 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeaderEntry:
     """One tensor of a safetensors file; ``begin``/``end`` are absolute file offsets."""
 
@@ -110,7 +110,7 @@ class HeaderEntry:
     end: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParsedHeader:
     entries: dict[str, HeaderEntry]
     metadata: dict[str, str]
@@ -209,7 +209,11 @@ def parse_header(prefix: bytes, file_size: int, name: str) -> ParsedHeader | int
                 f"of {dtype} needs {want}"
             )
         entries[key] = HeaderEntry(
-            key, dtype, tuple(shape), data_start + offs[0], data_start + offs[1]
+            key=key,
+            dtype=dtype,
+            shape=tuple(shape),
+            begin=data_start + offs[0],
+            end=data_start + offs[1],
         )
     spans = sorted((e.begin, e.end, e.key) for e in entries.values() if e.end > e.begin)
     for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:]):
@@ -220,4 +224,6 @@ def parse_header(prefix: bytes, file_size: int, name: str) -> ParsedHeader | int
         raise CorruptCheckpointError(
             f"{name}: truncated — tensors need {data_end} bytes but the file has {file_size}"
         )
-    return ParsedHeader(entries, metadata, data_start, data_end)
+    return ParsedHeader(
+        entries=entries, metadata=metadata, data_start=data_start, data_end=data_end
+    )

@@ -131,7 +131,9 @@ def _megatron(storage: Storage, index: CheckpointIndex) -> CheckpointIndex:
     if MEGATRON_COMMON in sizes:
         size = sizes[MEGATRON_COMMON]
         # its non-sharded values (iteration, optimizer param_groups) sit at the state dict's root
-        index.blobs[MEGATRON_COMMON] = Blob(MEGATRON_COMMON, MEGATRON_COMMON, 0, size, key="")
+        index.blobs[MEGATRON_COMMON] = Blob(
+            name=MEGATRON_COMMON, file=MEGATRON_COMMON, begin=0, end=size, key=""
+        )
         index.files[MEGATRON_COMMON] = FileMeta(size)
     return index
 
@@ -202,7 +204,9 @@ def _from_safetensors(storage: Storage, files: list[str]) -> CheckpointIndex:
                         f"expected {len(entry.shape)} non-negative ints"
                     )
             box = Box(tuple(offsets), entry.shape)
-            chunks.setdefault(key, []).append((Chunk(box, name, entry.begin, entry.end), entry))
+            chunks.setdefault(key, []).append(
+                (Chunk(box=box, file=name, begin=entry.begin, end=entry.end), entry)
+            )
     tensors: dict[str, TensorMeta] = {}
     for key, items in chunks.items():
         dtypes = {e.dtype for _, e in items}
@@ -216,15 +220,15 @@ def _from_safetensors(storage: Storage, files: list[str]) -> CheckpointIndex:
         boxes = [c.box for c, _ in items]
         shape = tuple(max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(ndims.pop()))
         tensors[key] = TensorMeta(
-            key,
-            dtypes.pop(),
-            shape,
-            None,
-            tuple(sorted((c for c, _ in items), key=lambda c: c.box)),
+            name=key,
+            dtype=dtypes.pop(),
+            shape=shape,
+            layout=None,
+            chunks=tuple(sorted((c for c, _ in items), key=lambda c: c.box)),
         )
     index = CheckpointIndex(
-        tensors,
-        {n: FileMeta(sizes[n]) for n in files},
+        tensors=tensors,
+        files={n: FileMeta(sizes[n]) for n in files},
         source="dcp-hf" if dcp else "hf",
     )
     index.check()

@@ -284,9 +284,12 @@ def _index(storage: Storage, copies: _Copies | None) -> CheckpointIndex:
     blobs = _uncovered_rank_files(files.sizes, covered)
     used = {c.file for t in tensors.values() for c in t.chunks} | {b.file for b in blobs.values()}
     index = CheckpointIndex(
-        tensors, {f: FileMeta(files.sizes[f]) for f in sorted(used)}, extras=extras,
-        source=SOURCE, blobs=blobs,
-    )  # fmt: skip
+        tensors=tensors,
+        files={f: FileMeta(files.sizes[f]) for f in sorted(used)},
+        extras=extras,
+        source=SOURCE,
+        blobs=blobs,
+    )
     index.check()
     return index
 
@@ -336,7 +339,13 @@ def _tensor(
                 copies.setdefault((name, piece.box), []).append((piece.rank, chunk))
     if dtype is None or shape is None:
         raise CorruptCheckpointError(f"{METADATA_NAME}: {name} has no rank groups")
-    return TensorMeta(name, dtype, shape, None, tuple(sorted(chunks.values(), key=lambda c: c.box)))
+    return TensorMeta(
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        layout=None,
+        chunks=tuple(sorted(chunks.values(), key=lambda c: c.box)),
+    )
 
 
 def _chunk(
@@ -358,7 +367,7 @@ def _chunk(
     begin, end = files.record(file, ref.key, where)
     if begin + hi > end:
         raise CorruptCheckpointError(f"{where}: runs past its record")
-    return Chunk(piece.box, file, begin + lo, begin + hi)
+    return Chunk(box=piece.box, file=file, begin=begin + lo, end=begin + hi)
 
 
 def _uncovered_rank_files(sizes: Mapping[str, int], covered: set[str]) -> dict[str, Blob]:
@@ -369,7 +378,9 @@ def _uncovered_rank_files(sizes: Mapping[str, int], covered: set[str]) -> dict[s
         if m and f not in covered:
             name = f"{m.group(1)}/rank{m.group(2)}"
             # each rank's own value of the item: `load` gives a rank its own copy
-            blobs[name] = Blob(name, f, 0, sizes[f], "torch_save", key=m.group(1))
+            blobs[name] = Blob(
+                name=name, file=f, begin=0, end=sizes[f], encoding="torch_save", key=m.group(1)
+            )
     return blobs
 
 

@@ -46,7 +46,7 @@ class _StorageRef:
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorRef:
     """Where a local tensor's bytes are: record ``data/<key>``, element offset, shape, stride."""
 
@@ -79,12 +79,19 @@ class _InertType(type):
 
 
 _STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
     "ComplexDoubleStorage": torch.complex128,
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,13 @@ class _StorageType:
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> Any:
     if not isinstance(storage, _StorageRef):
         return _Inert()
-    return TensorRef(storage.key, storage.dtype, int(offset), read_ints(size), read_ints(stride))
+    return TensorRef(
+        key=storage.key,
+        dtype=storage.dtype,
+        offset=int(offset),
+        size=read_ints(size),
+        stride=read_ints(stride),
+    )
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
@@ -280,8 +293,17 @@ class Archives:
             raw = _read_record(self.storage, a, "data.pkl")
             try:
                 self._trees[file] = inert_load(raw)
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError,
-                    KeyError, AttributeError, RecursionError, MemoryError) as e:  # fmt: skip
+            except (
+                pickle.UnpicklingError,
+                EOFError,
+                ValueError,
+                TypeError,
+                IndexError,
+                KeyError,
+                AttributeError,
+                RecursionError,
+                MemoryError,
+            ) as e:
                 raise CorruptCheckpointError(f"{file}: data.pkl is unreadable: {e}") from e
         return self._trees[file]
 

@@ -79,8 +79,17 @@ def decode_plain(raw: bytes, blob: str) -> Any:
         raise CorruptCheckpointError(f"opaque item {blob!r} is not a torch.save stream: {e}") from e
     try:
         tree = inert_load(data)
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
-            AttributeError, RecursionError, MemoryError) as e:  # fmt: skip
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        AttributeError,
+        RecursionError,
+        MemoryError,
+    ) as e:
         raise CorruptCheckpointError(f"opaque item {blob!r}: its pickle is unreadable: {e}") from e
     return _plain(tree, blob, 0)
 
@@ -136,8 +145,10 @@ class StoredValues:
             found = (
                 flat_values(value, key + "." if key else "")
                 if isinstance(value, Mapping) and value
-                else {key: value} if key else {}
-            )  # fmt: skip
+                else {key: value}
+                if key
+                else {}
+            )
             for k, v in found.items():
                 self.flat.setdefault(k, v)  # extras win over a pickled copy
         self._sorted = sorted(self.flat)

@@ -136,8 +136,11 @@ class EventReporter:
                 if status not in _RETRYABLE:
                     logger.warning(
                         "callback %s refused the %s event: %d %s",
-                        self.url, event["event"], status, body,
-                    )  # fmt: skip
+                        self.url,
+                        event["event"],
+                        status,
+                        body,
+                    )
                     return False
                 why = f"HTTP {status}"
             except Exception as e:  # connection refused/reset, timeouts: retry

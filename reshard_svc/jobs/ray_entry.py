@@ -32,13 +32,20 @@ def _say(*words: Any) -> None:
     sys.stdout.flush()
 
 
-def _agent_command(nodes: int, rank: int, per_node: int, addr: str, port: int,
-                   worker: list[str]) -> list[str]:  # fmt: skip
+def _agent_command(
+    nodes: int, rank: int, per_node: int, addr: str, port: int, worker: list[str]
+) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
-        f"--node-rank={rank}", f"--nproc-per-node={per_node}", f"--master-addr={addr}",
-        f"--master-port={port}", *worker,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--node-rank={rank}",
+        f"--nproc-per-node={per_node}",
+        f"--master-addr={addr}",
+        f"--master-port={port}",
+        *worker,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,11 +92,14 @@ def main(argv: list[str] | None = None) -> int:
 
     addr, port = ray.get(where.options(scheduling_strategy=on(0)).remote())
     _say("running", f"{n} torchrun nodes x {per} workers, rendezvous at {addr}:{port}")
-    codes = ray.get([
-        agent.options(num_cpus=per, scheduling_strategy=on(i)).remote(
-            _agent_command(n, i, per, addr, port, worker))
-        for i in range(n)
-    ])  # fmt: skip
+    codes = ray.get(
+        [
+            agent.options(num_cpus=per, scheduling_strategy=on(i)).remote(
+                _agent_command(n, i, per, addr, port, worker)
+            )
+            for i in range(n)
+        ]
+    )
     _say("done", "exit codes", codes)
     time.sleep(0.5)  # let Ray forward the agents' last lines
     return max(codes) if codes else 0

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["StorageCost"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StorageCost:
     """The cost model's inputs: the source storage's seconds per request and bytes per
     second, the exchange's bytes per second, and whether the storage is local files.
@@ -49,10 +49,10 @@ class StorageCost:
             return value
 
         return cls(
-            env("RESHARD_STORAGE_LATENCY_S", storage.latency_s),
-            env("RESHARD_STORAGE_BANDWIDTH", storage.bandwidth),
-            env("RESHARD_EXCHANGE_BANDWIDTH", cls.exchange_bandwidth),
-            bool(storage.local_files),
+            latency_s=env("RESHARD_STORAGE_LATENCY_S", storage.latency_s),
+            bandwidth=env("RESHARD_STORAGE_BANDWIDTH", storage.bandwidth),
+            exchange_bandwidth=env("RESHARD_EXCHANGE_BANDWIDTH", cls.exchange_bandwidth),
+            local=bool(storage.local_files),
         )
 
     def seconds(self, plan: ReadPlan) -> float:

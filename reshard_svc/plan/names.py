@@ -265,9 +265,14 @@ def _split_chunk(chunk: Chunk, index: int, itemsize: int) -> Chunk | None:
     inner = Box(box.offsets[1:], box.sizes[1:])
     if chunk.encoding == "raw":
         step = inner.numel * itemsize
-        return Chunk(inner, chunk.file, chunk.begin + lo * step, chunk.begin + (lo + 1) * step)
+        return Chunk(
+            box=inner,
+            file=chunk.file,
+            begin=chunk.begin + lo * step,
+            end=chunk.begin + (lo + 1) * step,
+        )
     picks = f"{chunk.encoding},{lo}" if "@" in chunk.encoding else f"{chunk.encoding}@{lo}"
-    return Chunk(inner, chunk.file, chunk.begin, chunk.end, picks)
+    return Chunk(box=inner, file=chunk.file, begin=chunk.begin, end=chunk.end, encoding=picks)
 
 
 def split_layers(index: CheckpointIndex) -> CheckpointIndex:
@@ -302,7 +307,16 @@ def _split(meta: TensorMeta, axes: Sequence[StackedAxis]) -> list[TensorMeta]:
                 at = axis.after + 1 + depth  # earlier insertions shift later positions by one
                 named = [*parts[:at], str(i), *parts[at:]]
                 out.append(
-                    (TensorMeta(".".join(named), m.dtype, m.shape[1:], None, tuple(chunks)), named)
+                    (
+                        TensorMeta(
+                            name=".".join(named),
+                            dtype=m.dtype,
+                            shape=m.shape[1:],
+                            layout=None,
+                            chunks=tuple(chunks),
+                        ),
+                        named,
+                    )
                 )
         metas = out
     return [m for m, _ in metas]

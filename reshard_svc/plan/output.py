@@ -28,7 +28,7 @@ __all__ = [
 DEFAULT_SHARD_SIZE = 5 * 1000**3  # HF's default max_shard_size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OutputPlan:
     files: tuple[FileSpec, ...]  # FileSpec.writer is the worker rank
     chunks: dict[str, tuple[Chunk, ...]]
@@ -66,15 +66,19 @@ def assign_files(files: list[FileSpec], workers: int) -> list[FileSpec]:
         else:
             lo = mid + 1
     return [
-        FileSpec(f.name, w, f.entries, f.header, f.size)
+        FileSpec(name=f.name, writer=w, entries=f.entries, header=f.header, size=f.size)
         for f, w in zip(ordered, cut(lo), strict=True)
     ]
 
 
 def plan_native(
-    index: CheckpointIndex, layouts: dict[str, Layout], dtypes: dict[str, torch.dtype],
-    workers: int, token: str, suffix: str,
-) -> OutputPlan:  # fmt: skip
+    index: CheckpointIndex,
+    layouts: dict[str, Layout],
+    dtypes: dict[str, torch.dtype],
+    workers: int,
+    token: str,
+    suffix: str,
+) -> OutputPlan:
     world = max((lay.mesh.size for lay in layouts.values()), default=1)
     holdings = {
         name: Holdings(
@@ -84,12 +88,15 @@ def plan_native(
             held=tuple(
                 Held(box=it.box, holders=it.holders) for it in layouts[name].write_items(meta.shape)
             ),
-        )  # fmt: skip
+        )
         for name, meta in index.tensors.items()
     }
     plan = plan_save(holdings, world, token=token, file_suffix=suffix)
     return OutputPlan(
-        tuple(assign_files(list(plan.files), workers)), plan.chunks, dict(layouts), dtypes
+        files=tuple(assign_files(list(plan.files), workers)),
+        chunks=plan.chunks,
+        layouts=dict(layouts),
+        dtypes=dtypes,
     )
 
 
@@ -120,15 +127,20 @@ def plan_hf(
             b, e = ranges[name]
             shape = index.tensors[name].shape
             chunks[name] = (
-                (Chunk(Box((0,) * len(shape), shape), fname, b, e),) if math.prod(shape) else ()
+                (Chunk(box=Box((0,) * len(shape), shape), file=fname, begin=b, end=e),)
+                if math.prod(shape)
+                else ()
             )
             end = max(end, e)
         full = tuple(
             (n, Box((0,) * len(index.tensors[n].shape), index.tensors[n].shape)) for n in names
         )
-        files.append(FileSpec(fname, 0, full, header, end))
+        files.append(FileSpec(name=fname, writer=0, entries=full, header=header, size=end))
     return OutputPlan(
-        tuple(assign_files(files, workers)), chunks, dict.fromkeys(index.tensors), dtypes
+        files=tuple(assign_files(files, workers)),
+        chunks=chunks,
+        layouts=dict.fromkeys(index.tensors),
+        dtypes=dtypes,
     )
 
 

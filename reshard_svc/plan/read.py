@@ -72,7 +72,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class _Instance:
     """One tensor's plan: its template, placed at its chunks' files and offsets."""
 
@@ -105,9 +105,18 @@ class BandWave:
             for i, r in enumerate(band.reads):
                 c = inst.chunks[r.chunk]
                 begin = c.begin + r.skip
-                out.append(Read(id=base + i, tensor=inst.tensor, box=r.box, reader=to(r.reader),
-                                file=c.file, begin=begin, end=begin + r.nbytes,
-                                encoding=c.encoding))  # fmt: skip
+                out.append(
+                    Read(
+                        id=base + i,
+                        tensor=inst.tensor,
+                        box=r.box,
+                        reader=to(r.reader),
+                        file=c.file,
+                        begin=begin,
+                        end=begin + r.nbytes,
+                        encoding=c.encoding,
+                    )
+                )
         return tuple(out)
 
     @property
@@ -187,8 +196,14 @@ class BandWave:
                 else:
                     continue
                 for d in dests:
-                    piece = Piece(read=base + p.read, box=p.box, target=t0 + p.target, dest=d,
-                                  nbytes=p.nbytes, via=via if p.via >= 0 else -1)  # fmt: skip
+                    piece = Piece(
+                        read=base + p.read,
+                        box=p.box,
+                        target=t0 + p.target,
+                        dest=d,
+                        nbytes=p.nbytes,
+                        via=via if p.via >= 0 else -1,
+                    )
                     keyed.append(((reader, d, piece.read, p.box), piece))
         keyed.sort(key=lambda kp: kp[0])
         return tuple(p for _, p in keyed)
@@ -226,7 +241,7 @@ class _Targets(Sequence[Target]):
                 yield Target(tensor=inst.tensor, box=held.box, holders=held.holders)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ReadPlan:
     """The whole plan; every rank computes the same one. Frozen once built."""
 
@@ -295,16 +310,22 @@ def warn_if_over_budget(index: CheckpointIndex, names: Iterable[str], budget: in
     if budget < 1:
         return  # plan_reads refuses it
     widest = max(
-        ((math.prod(index.tensors[n].shape[1:]) * index.tensors[n].itemsize, n) for n in names
-         if index.tensors[n].shape),
+        (
+            (math.prod(index.tensors[n].shape[1:]) * index.tensors[n].itemsize, n)
+            for n in names
+            if index.tensors[n].shape
+        ),
         default=(0, ""),
-    )  # fmt: skip
+    )
     if widest[0] > band_limit(budget):
         logger.warning(
             "a memory budget of %d B cannot be met: one row of %r is %d B and a wave moves "
             "at least one row; waves will exceed it (give at least %d B)",
-            budget, widest[1], widest[0], 4 * widest[0],
-        )  # fmt: skip
+            budget,
+            widest[1],
+            widest[0],
+            4 * widest[0],
+        )
 
 
 def plan_reads(
@@ -379,7 +400,7 @@ def _choose(
     if strategy != "auto":
         plan = _plan(index, sigs, tids, world, budget, strategy)
     else:
-        model = cost if cost is not None else StorageCost(5e-5, 3e9)
+        model = cost if cost is not None else StorageCost(latency_s=5e-5, bandwidth=3e9)
         exchange = _plan(index, sigs, tids, world, budget, "exchange")
         # direct reads every holder's own copy: at least the bytes delivered; a plan of
         # more reads than MAX_DIRECT_READS is not worth planning (replicas on thousands
@@ -413,8 +434,9 @@ def _signatures(index: CheckpointIndex, wanted: Mapping[str, Sequence[Held]]) ->
         if 0 in itertools.chain.from_iterable(map(_SIZES, boxes)):  # drop empty boxes
             keep = [i for i, (_, sizes) in enumerate(geo) if 0 not in sizes]
             geo, holders = tuple(geo[i] for i in keep), tuple(holders[i] for i in keep)
-        sigs.append((name, (meta.shape, meta.itemsize, meta.plan_chunks, geo, holders),
-                     meta.plan_places))  # fmt: skip
+        sigs.append(
+            (name, (meta.shape, meta.itemsize, meta.plan_chunks, geo, holders), meta.plan_places)
+        )
     return tuple(sigs)
 
 
@@ -444,11 +466,24 @@ def _plan(
         if tpl is None:
             tpl = variants[0].rotated(v, nv) or _template(tkey, limit, world, strategy, v)
             variants[v] = tpl
-        instances.append(_Instance(name, tpl, index.tensors[name].chunks, t_base, r_base))
+        instances.append(
+            _Instance(
+                tensor=name,
+                template=tpl,
+                chunks=index.tensors[name].chunks,
+                target_base=t_base,
+                read_base=r_base,
+            )
+        )
         t_base += len(tpl.targets)
         r_base += tpl.n_reads
-    return ReadPlan(_Targets(instances), _waves(instances, world, budget), world, strategy,
-                    tuple(instances))  # fmt: skip
+    return ReadPlan(
+        targets=_Targets(instances),
+        waves=_waves(instances, world, budget),
+        world=world,
+        strategy=strategy,
+        instances=tuple(instances),
+    )
 
 
 #: ``auto`` plans ``direct`` only when it would make at most this many reads (about the
@@ -473,8 +508,13 @@ def _template(tkey: Any, limit: int, world: int, strategy: str, variant: int = 0
     return build_template(
         [(Box.trusted(c[0], c[1]), c[2], c[3] if len(c) > 3 else 0) for c in chunks],
         [Held(box=Box.trusted(o, s), holders=h) for (o, s), h in zip(geo, holders)],
-        shape, itemsize, limit, world, strategy, variant,
-    )  # fmt: skip
+        shape,
+        itemsize,
+        limit,
+        world,
+        strategy,
+        variant,
+    )
 
 
 def _waves(instances: Sequence[_Instance], world: int, budget: int) -> tuple[BandWave, ...]:

@@ -162,6 +162,7 @@ def resolve_layouts(
         logger.warning(
             "%d tensor(s) have no layout in the source (e.g. %r) and match no rule: they are "
             "replicated on every rank of the target mesh; pass --rules to shard them",
-            len(replicated), replicated[0],
-        )  # fmt: skip
+            len(replicated),
+            replicated[0],
+        )
     return out

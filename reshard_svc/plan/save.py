@@ -26,7 +26,7 @@ __all__ = ["FileSpec", "SavePlan", "plan_save"]
 DCP_VERSION = "1.0"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FileSpec:
     name: str
     writer: int
@@ -85,8 +85,10 @@ def plan_save(
             size = max((e for _, e in ranges.values()), default=len(header))
             for n, b in entries:
                 begin, end = ranges[n]
-                chunks[n].append(Chunk(b, fname, begin, end))
-            files.append(FileSpec(fname, rank, tuple(entries), header, size))
+                chunks[n].append(Chunk(box=b, file=fname, begin=begin, end=end))
+            files.append(
+                FileSpec(name=fname, writer=rank, entries=tuple(entries), header=header, size=size)
+            )
     return SavePlan(
         tuple(files), {n: tuple(sorted(c, key=lambda c: c.box)) for n, c in chunks.items()}
     )

@@ -89,12 +89,25 @@ MAX_WORKERS = 1 << 16
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]\+?(\d+))?\s*([A-Za-z]*)\s*$")
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
 
 
 def parse_size(text: str | int | None, what: str = "size") -> int | None:
@@ -255,7 +268,7 @@ def _uri(name: str, value: Any) -> str:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConvertSpec:
     """One conversion: ``source`` -> ``target`` on ``nodes`` × ``workers_per_node`` workers."""
 
@@ -399,8 +412,17 @@ class ConvertSpec:
     def to_argv(self, **options: str | None) -> list[str]:
         """``convert SRC DST --flag value ...``: the worker's arguments (see
         :meth:`worker_argv`)."""
-        argv = ["convert", self.source, self.target, "--format", str(self.format),
-                "--strategy", str(self.strategy), "--checksum", self.checksum]  # fmt: skip
+        argv = [
+            "convert",
+            self.source,
+            self.target,
+            "--format",
+            str(self.format),
+            "--strategy",
+            str(self.strategy),
+            "--checksum",
+            self.checksum,
+        ]
         if self.mesh:
             argv += ["--mesh", format_mesh(self.mesh)]
         if self.rules:
@@ -454,16 +476,28 @@ class ConvertSpec:
             except LayoutError as e:
                 raise UsageError(str(e)) from None
         return cls(
-            source=args.src, target=args.dst, mesh=parse_mesh(args.mesh), rules=rules,
-            format=args.format, dtype=args.dtype, strategy=args.strategy,
+            source=args.src,
+            target=args.dst,
+            mesh=parse_mesh(args.mesh),
+            rules=rules,
+            format=args.format,
+            dtype=args.dtype,
+            strategy=args.strategy,
             checksum="none" if args.no_checksum else args.checksum,
-            max_memory=args.max_memory, max_shard_size=args.max_shard_size,
-            nodes=nodes, workers_per_node=workers_per_node,
-            overwrite=args.overwrite, only=args.only, strip_prefix=args.strip_prefix,
-            keep_dtype=args.keep_dtype, copy_config=not args.no_copy_config,
-            rename=args.rename, split_layers=args.split_layers, dequantize=args.dequantize,
+            max_memory=args.max_memory,
+            max_shard_size=args.max_shard_size,
+            nodes=nodes,
+            workers_per_node=workers_per_node,
+            overwrite=args.overwrite,
+            only=args.only,
+            strip_prefix=args.strip_prefix,
+            keep_dtype=args.keep_dtype,
+            copy_config=not args.no_copy_config,
+            rename=args.rename,
+            split_layers=args.split_layers,
+            dequantize=args.dequantize,
             extra={"progress_file": args.progress_file},
-        ).checked()  # fmt: skip
+        ).checked()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -480,14 +514,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rules", help="YAML/JSON file (or inline JSON): tensor glob -> placements")
     c.add_argument("--format", choices=FORMATS, default="native")
     c.add_argument("--dtype", help="cast floating-point tensors on the fly: bf16, fp16, fp32, fp64")
-    c.add_argument("--dequantize", choices=DEQUANTIZE,
-                   help="fp8-block: FP8 weights times their 128x128 block scales, cast to --dtype "
-                   "(default bf16); the scales are dropped")  # fmt: skip
+    c.add_argument(
+        "--dequantize",
+        choices=DEQUANTIZE,
+        help="fp8-block: FP8 weights times their 128x128 block scales, cast to --dtype "
+        "(default bf16); the scales are dropped",
+    )
     c.add_argument("--strategy", choices=STRATEGIES, default="auto")
     c.add_argument("--max-memory", help="byte budget per worker, e.g. 1GiB")
     c.add_argument("--max-shard-size", help="HF export: cap per file, e.g. 5GB")
-    c.add_argument("--checksum", choices=CHECKSUMS, default="crc32c",
-                   help="what the output records: block CRC32Cs (default), plus sha256, or none")  # fmt: skip
+    c.add_argument(
+        "--checksum",
+        choices=CHECKSUMS,
+        default="crc32c",
+        help="what the output records: block CRC32Cs (default), plus sha256, or none",
+    )
     c.add_argument("--no-checksum", action="store_true", help=argparse.SUPPRESS)
     c.add_argument(
         "--overwrite",
@@ -500,17 +541,32 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GLOB",
         help="keep only tensors matching this glob (repeatable), e.g. 'model.*'",
     )
-    c.add_argument("--rename", action="append", metavar="FROM_GLOB=TO_PATTERN",
-                   help="rename tensors before --only/--strip-prefix (repeatable), e.g. "
-                   "'layers.*.wq.weight=model.layers.*.q_proj.weight'")  # fmt: skip
-    c.add_argument("--split-layers", action="store_true",
-                   help="split stacked layers/experts axes (Megatron-Core) into per-layer names")  # fmt: skip
-    c.add_argument("--strip-prefix", metavar="PREFIX",
-                   help="drop this prefix from tensor names, e.g. 'model.'")  # fmt: skip
-    c.add_argument("--keep-dtype", action="append", metavar="GLOB",
-                   help="with --dtype: leave tensors matching this glob as they are (repeatable)")  # fmt: skip
-    c.add_argument("--no-copy-config", action="store_true",
-                   help="--format hf: do not copy the source's config and tokenizer files")  # fmt: skip
+    c.add_argument(
+        "--rename",
+        action="append",
+        metavar="FROM_GLOB=TO_PATTERN",
+        help="rename tensors before --only/--strip-prefix (repeatable), e.g. "
+        "'layers.*.wq.weight=model.layers.*.q_proj.weight'",
+    )
+    c.add_argument(
+        "--split-layers",
+        action="store_true",
+        help="split stacked layers/experts axes (Megatron-Core) into per-layer names",
+    )
+    c.add_argument(
+        "--strip-prefix", metavar="PREFIX", help="drop this prefix from tensor names, e.g. 'model.'"
+    )
+    c.add_argument(
+        "--keep-dtype",
+        action="append",
+        metavar="GLOB",
+        help="with --dtype: leave tensors matching this glob as they are (repeatable)",
+    )
+    c.add_argument(
+        "--no-copy-config",
+        action="store_true",
+        help="--format hf: do not copy the source's config and tokenizer files",
+    )
     c.add_argument("--progress-file", help="rank 0 appends JSON progress lines here")
     return ap
 
@@ -526,7 +582,7 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "bytes_written": int,
         "bytes_exchanged": int,
         "tensors": int,
-    },  # fmt: skip
+    },
     "error": {"error": str},
 }
 

@@ -97,7 +97,7 @@ class TBand:
     use: np.ndarray
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Template:
     targets: tuple[Held, ...]
     bands: tuple[TBand, ...]
@@ -151,10 +151,21 @@ class Template:
             return out
 
         bands = tuple(TBand(b.reads, b.pieces, moved(b.use)) for b in self.bands)
-        return Template(self.targets, bands, self.ties, moved(self.read_bytes),
-                        moved(self.sent_bytes), moved(self.recv_bytes), self.read_offsets,
-                        self.n_reads, self.moved, self.total, self.holder_sets,
-                        tuple(perm.tolist()), self.deliveries)  # fmt: skip
+        return Template(
+            targets=self.targets,
+            bands=bands,
+            ties=self.ties,
+            read_bytes=moved(self.read_bytes),
+            sent_bytes=moved(self.sent_bytes),
+            recv_bytes=moved(self.recv_bytes),
+            read_offsets=self.read_offsets,
+            n_reads=self.n_reads,
+            moved=self.moved,
+            total=self.total,
+            holder_sets=self.holder_sets,
+            to=tuple(perm.tolist()),
+            deliveries=self.deliveries,
+        )
 
     def holds(self, target: int, rank: int) -> bool:
         """Whether ``rank`` holds target ``target`` (of this template)."""
@@ -241,8 +252,9 @@ def _plan_band(
                 others = len(dests) - (reader in members)  # holders but the reader
                 landed[t] = landed.get(t, 0) + n
                 for stripe, sn, via in relay.stripes(inter, n, t, targets, itemsize):
-                    parts.append(Piece(read=ri, box=stripe, target=t, dest=EVERY_HOLDER,
-                                       nbytes=sn, via=via))  # fmt: skip
+                    parts.append(
+                        Piece(read=ri, box=stripe, target=t, dest=EVERY_HOLDER, nbytes=sn, via=via)
+                    )
                     if via == reader:
                         sends += sn * others  # sent to every other holder
                     else:  # sent once to the via, which forwards it to the rest
@@ -300,8 +312,16 @@ class _Relay:
         cols = box.sizes[1] if box.ndim > 1 else 1
         units = rows * cols
         unit = nbytes / units
-        cuts = sorted({0, units, *(min(units, max(0, round((j * share - at) / unit)))
-                                   for j in range(first + 1, last + 1))})  # fmt: skip
+        cuts = sorted(
+            {
+                0,
+                units,
+                *(
+                    min(units, max(0, round((j * share - at) / unit)))
+                    for j in range(first + 1, last + 1)
+                ),
+            }
+        )
         out = []
         for a, b in zip(cuts, cuts[1:]):
             v = via(at + (a + b) / 2 * unit)
@@ -419,8 +439,20 @@ def _summarize(
                 recv_bytes[p.dest] += p.nbytes
     for t, n in landed.items():
         recv_bytes[np.asarray(targets[t].holders)] += n
-    return Template(targets, bands, ties, read_bytes, sent_bytes, recv_bytes, tuple(offsets),
-                    n_reads, moved, total, sets, deliveries=deliveries)  # fmt: skip
+    return Template(
+        targets=targets,
+        bands=bands,
+        ties=ties,
+        read_bytes=read_bytes,
+        sent_bytes=sent_bytes,
+        recv_bytes=recv_bytes,
+        read_offsets=tuple(offsets),
+        n_reads=n_reads,
+        moved=moved,
+        total=total,
+        holder_sets=sets,
+        deliveries=deliveries,
+    )
 
 
 def _read_boxes(

@@ -207,7 +207,7 @@ def _shift(box: Box, dim: int, by: int) -> Box:
     return Box.trusted(tuple(offs), box.sizes)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class _Tensor:
     """One target tensor's reads (ids relative to the tensor), pieces (read and target ids
     relative too), targets, and what it costs each rank while in flight."""
@@ -260,11 +260,14 @@ def _tensor(
         read = reads.get(key)
         if read is None:
             read = reads[key] = Read(
-                id=len(reads), tensor=s, box=shifted, reader=sender,
+                id=len(reads),
+                tensor=s,
+                box=shifted,
+                reader=sender,
                 origin=h.box if offset else None,
-            )  # fmt: skip
+            )
         pieces.append(Piece(read=read.id, box=o.box, target=ti, dest=receiver, nbytes=nbytes))
-    return _Tensor(name, list(reads.values()), pieces, targets, cost)
+    return _Tensor(name=name, reads=list(reads.values()), pieces=pieces, targets=targets, cost=cost)
 
 
 # ---- waves
@@ -286,8 +289,9 @@ def _assemble(per_tensor: list[_Tensor], world: int, budget: int) -> TransferPla
             targets += t.targets
             for p in t.pieces:
                 sender = t.reads[p.read].reader
-                piece = Piece(read=p.read + r0, box=p.box, target=p.target + t0, dest=p.dest,
-                              nbytes=p.nbytes)  # fmt: skip
+                piece = Piece(
+                    read=p.read + r0, box=p.box, target=p.target + t0, dest=p.dest, nbytes=p.nbytes
+                )
                 keyed.append(((sender, p.dest, piece.read, p.box), piece))
                 total += p.nbytes
                 if sender == p.dest:
@@ -297,19 +301,26 @@ def _assemble(per_tensor: list[_Tensor], world: int, budget: int) -> TransferPla
                     received[p.dest] += p.nbytes
         keyed.sort(key=lambda kp: kp[0])
         names = tuple(t.name for t in per_tensor[start:end])
-        waves.append(TransferWave(reads=tuple(reads), pieces=tuple(p for _, p in keyed),
-                                  tensors=names))  # fmt: skip
+        waves.append(
+            TransferWave(reads=tuple(reads), pieces=tuple(p for _, p in keyed), tensors=names)
+        )
         peak = np.maximum(peak, sum(t.cost for t in per_tensor[start:end]))
     return TransferPlan(
-        targets=tuple(targets), waves=tuple(waves), world=world,
-        sent=_ints(sent), received=_ints(received), copied=_ints(copied), peak=_ints(peak),
+        targets=tuple(targets),
+        waves=tuple(waves),
+        world=world,
+        sent=_ints(sent),
+        received=_ints(received),
+        copied=_ints(copied),
+        peak=_ints(peak),
         bytes_total=total,
-    )  # fmt: skip
+    )
 
 
 def _renumber(read: Read, base: int) -> Read:
-    return Read(id=read.id + base, tensor=read.tensor, box=read.box, reader=read.reader,
-                origin=read.origin)  # fmt: skip
+    return Read(
+        id=read.id + base, tensor=read.tensor, box=read.box, reader=read.reader, origin=read.origin
+    )
 
 
 def _ints(a: np.ndarray) -> tuple[int, ...]:

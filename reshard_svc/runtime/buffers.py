@@ -158,8 +158,9 @@ class Arena:
         if slab < len(self._slabs) and off + need > self._slabs[slab].numel() and off:
             slab, off = slab + 1, 0
         if slab == len(self._slabs):
-            self._slabs.append(torch.empty(max(need, self.SLAB), dtype=torch.uint8,
-                                           device=self.device))  # fmt: skip
+            self._slabs.append(
+                torch.empty(max(need, self.SLAB), dtype=torch.uint8, device=self.device)
+            )
         elif off + need > self._slabs[slab].numel():  # too small even from its start
             self._slabs[slab] = torch.empty(0, dtype=torch.uint8)  # free it first
             self._slabs[slab] = torch.empty(need, dtype=torch.uint8, device=self.device)

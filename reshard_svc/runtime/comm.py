@@ -130,9 +130,12 @@ class Comm:
             self._point_to_point(send, send_splits, recv, recv_splits)
         else:
             dist.all_to_all_single(
-                recv, send, list(map(int, recv_splits)), list(map(int, send_splits)),
+                recv,
+                send,
+                list(map(int, recv_splits)),
+                list(map(int, send_splits)),
                 group=self.group,
-            )  # fmt: skip
+            )
         return recv
 
     def _point_to_point(

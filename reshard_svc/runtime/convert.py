@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONVERT_MEMORY = 1024**3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConvertResult:
     index: CheckpointIndex
     strategy: str
@@ -128,15 +128,25 @@ def convert(
     the CLI, the server and the worker use too), checked in one place.
     """
     spec = ConvertSpec(
-        source=src, target=dst, mesh=_mesh_names(mesh),
+        source=src,
+        target=dst,
+        mesh=_mesh_names(mesh),
         rules=dict(load_rules(rules)) if rules is not None else None,
-        format=format, dtype=_dtype_name(dtype),  # type: ignore[arg-type]
-        keep_dtype=list(keep_dtype) if keep_dtype else None, strategy=strategy,  # type: ignore[arg-type]
-        checksum=check_algorithm(checksum), max_memory=_size_text(max_memory),
-        max_shard_size=_size_text(max_shard_size), overwrite=overwrite,
-        only=list(only) if only else None, strip_prefix=strip_prefix, copy_config=copy_config,
-        rename=_rename_texts(rename), split_layers=split_layers, dequantize=dequantize,
-    ).checked()  # fmt: skip
+        format=format,  # type: ignore[arg-type]
+        dtype=_dtype_name(dtype),  # type: ignore[arg-type]
+        keep_dtype=list(keep_dtype) if keep_dtype else None,
+        strategy=strategy,  # type: ignore[arg-type]
+        checksum=check_algorithm(checksum),
+        max_memory=_size_text(max_memory),
+        max_shard_size=_size_text(max_shard_size),
+        overwrite=overwrite,
+        only=list(only) if only else None,
+        strip_prefix=strip_prefix,
+        copy_config=copy_config,
+        rename=_rename_texts(rename),
+        split_layers=split_layers,
+        dequantize=dequantize,
+    ).checked()
     conversion = Conversion(spec, process_group=process_group, storage_options=storage_options)
     with collector_paused():  # see reshard_svc._collector: no full collection mid-run
         return conversion.run(progress)
@@ -241,10 +251,17 @@ class Conversion:
         index = self.result_index(out, results)
         self.comm.run_everywhere("convert: commit", lambda: self.commit(out, index))
         return ConvertResult(
-            index, chosen, bytes_read, sum(r[0] for r in results), plan.bytes_exchanged(),
-            sum(f.size for f in index.files.values()), len(plan.waves), self.cast, self.kept,
-            len(self.pairs),
-        )  # fmt: skip
+            index=index,
+            strategy=chosen,
+            bytes_read=bytes_read,
+            bytes_read_total=sum(r[0] for r in results),
+            bytes_exchanged=plan.bytes_exchanged(),
+            bytes_written_total=sum(f.size for f in index.files.values()),
+            waves=len(plan.waves),
+            cast=self.cast,
+            kept=self.kept,
+            dequantized=len(self.pairs),
+        )
 
     # ---- steps
 
@@ -288,9 +305,10 @@ class Conversion:
             return TargetRun(self.target, "convert", spec.overwrite, model_folder=not native)
 
         self.run_, tokens = self.comm.run_everywhere(
-            "convert: taking the target", take_target,
+            "convert: taking the target",
+            take_target,
             share=lambda run: run.token if run is not None else "",
-        )  # fmt: skip
+        )
         self.token = tokens[0]
         self.staging = self.target.staging(self.token)
 
@@ -316,12 +334,21 @@ class Conversion:
         wanted, where = target_bands(out, self.index, self.budget)
         warn_if_over_budget(self.index, wanted, self.budget)
         plan = choose_plan(
-            self.index, wanted, world, self.budget, str(self.spec.strategy),
+            self.index,
+            wanted,
+            world,
+            self.budget,
+            str(self.spec.strategy),
             StorageCost.of(self.storage),
-        )  # fmt: skip
+        )
         chosen = plan.strategy
-        logger.info("convert %s -> %s: %s strategy, %d waves", self.spec.source,
-                    self.spec.target, chosen, len(plan.waves))  # fmt: skip
+        logger.info(
+            "convert %s -> %s: %s strategy, %d waves",
+            self.spec.source,
+            self.spec.target,
+            chosen,
+            len(plan.waves),
+        )
         return out, plan, where, chosen
 
     def execute(
@@ -336,9 +363,13 @@ class Conversion:
         read, every worker's [bytes read, [(file, size, checksums)]])."""
         transforms = self.read_scales(where) if self.pairs else {}
         sink = BandSink(
-            plan, self.dtypes, where, self.writers, BufferPool(max(1, self.budget // 2)),
+            plan,
+            self.dtypes,
+            where,
+            self.writers,
+            BufferPool(max(1, self.budget // 2)),
             transforms={n: (self.index.tensors[n].dtype, f) for n, f in transforms.items()},
-        )  # fmt: skip
+        )
 
         def open_writers() -> None:
             for spec in out.files:
@@ -349,9 +380,12 @@ class Conversion:
 
         self.comm.run_everywhere("convert: opening output files", open_writers)
         source = StorageSource(
-            self.storage, {n: m.dtype for n, m in self.index.tensors.items()}, self.comm.rank,
-            self.index.block_tables(), check_in_place=False,
-        )  # fmt: skip
+            self.storage,
+            {n: m.dtype for n, m in self.index.tensors.items()},
+            self.comm.rank,
+            self.index.block_tables(),
+            check_in_place=False,
+        )
         bytes_read = execute(plan, source, self.comm, sink, progress=progress)
 
         def close_all() -> list[Any]:
@@ -389,13 +423,19 @@ class Conversion:
                 at = Box((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:]))
                 held[s] = (at, torch.empty(at.sizes, dtype=self.source_index.tensors[s].dtype))
         plan = choose_plan(
-            self.source_index, wanted, self.comm.world, self.budget, str(self.spec.strategy),
+            self.source_index,
+            wanted,
+            self.comm.world,
+            self.budget,
+            str(self.spec.strategy),
             StorageCost.of(self.storage),
-        )  # fmt: skip
+        )
         source = StorageSource(
-            self.storage, {n: m.dtype for n, m in self.source_index.tensors.items()},
-            self.comm.rank, self.source_index.block_tables(),
-        )  # fmt: skip
+            self.storage,
+            {n: m.dtype for n, m in self.source_index.tensors.items()},
+            self.comm.rank,
+            self.source_index.block_tables(),
+        )
         execute(plan, source, self.comm, _IntoScales(plan, held))
         out_dtypes = self.dtypes
 
@@ -415,7 +455,13 @@ class Conversion:
         }
         return CheckpointIndex(
             tensors={
-                n: TensorMeta(n, self.dtypes[n], m.shape, out.layouts.get(n), out.chunks.get(n, ()))
+                n: TensorMeta(
+                    name=n,
+                    dtype=self.dtypes[n],
+                    shape=m.shape,
+                    layout=out.layouts.get(n),
+                    chunks=out.chunks.get(n, ()),
+                )
                 for n, m in self.index.tensors.items()
             },
             files=files,
@@ -441,8 +487,9 @@ class Conversion:
             elif index.blobs:
                 logger.warning(
                     "an HF folder holds tensors only: %d opaque item(s) (e.g. %r) not exported",
-                    len(index.blobs), next(iter(index.blobs)),
-                )  # fmt: skip
+                    len(index.blobs),
+                    next(iter(index.blobs)),
+                )
             result.check()
             if hf:
                 weight_map = {n: spec.name for spec in out.files for n, _ in spec.entries}

@@ -61,7 +61,7 @@ class Encoding(IntEnum):
     GAPS = 3
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Delta:
     """One piece's delta: the encoding, its payload bytes, and where the changes are
     (``None`` for every element, a bool mask, or int64 flat positions) with their new
@@ -170,7 +170,7 @@ class _Pair:
 
 def _raw(new: torch.Tensor) -> Delta:
     flat = _ints(new)
-    return Delta(Encoding.RAW, _bytes(flat), None, flat)
+    return Delta(encoding=Encoding.RAW, payload=_bytes(flat), where=None, values=flat)
 
 
 def _looks_dense(old: torch.Tensor, new: torch.Tensor) -> bool:
@@ -198,11 +198,19 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, raw_payload: bool = True) ->
         changed(old, new)  # raises, naming both
     nothing = torch.empty(0, dtype=torch.uint8)
     if _looks_dense(old, new):
-        return _raw(new) if raw_payload else Delta(Encoding.RAW, nothing, None, nothing)
+        return (
+            _raw(new)
+            if raw_payload
+            else Delta(encoding=Encoding.RAW, payload=nothing, where=None, values=nothing)
+        )
     pair = _Pair(old, new)
     n, k, isz = pair.n, pair.k, new.element_size()
     if n >= 2**31 or k == n:
-        return pair.raw() if raw_payload else Delta(Encoding.RAW, nothing, None, nothing)
+        return (
+            pair.raw()
+            if raw_payload
+            else Delta(encoding=Encoding.RAW, payload=nothing, where=None, values=nothing)
+        )
     sizes: dict[Encoding, int] = {
         Encoding.RAW: n * isz,
         Encoding.MASK: encoded_size(Encoding.MASK, n, k, 0, isz),
@@ -222,11 +230,20 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, raw_payload: bool = True) ->
         sizes[Encoding.GAPS] = encoded_size(Encoding.GAPS, n, k, 0, isz, len(tokens) - k)
     best = min(sizes, key=lambda e: (sizes[e], e))
     if best is Encoding.RAW:
-        return pair.raw() if raw_payload else Delta(Encoding.RAW, nothing, None, nothing)
+        return (
+            pair.raw()
+            if raw_payload
+            else Delta(encoding=Encoding.RAW, payload=nothing, where=None, values=nothing)
+        )
     if best is Encoding.MASK:
         values = pair.pick(pair.mask)
         bits = torch.from_numpy(np.packbits(pair.mask, bitorder="little"))
-        return Delta(best, torch.cat([bits, _bytes(values)]), torch.from_numpy(pair.mask), values)
+        return Delta(
+            encoding=best,
+            payload=torch.cat([bits, _bytes(values)]),
+            where=torch.from_numpy(pair.mask),
+            values=values,
+        )
     values = pair.pick(idx)
     if best is Encoding.RUNS:
         head = torch.tensor([len(runs)], dtype=torch.int32).view(torch.uint8)
@@ -234,7 +251,12 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, raw_payload: bool = True) ->
     else:
         head = torch.tensor([len(tokens)], dtype=torch.int32).view(torch.uint8)
         body = torch.from_numpy(tokens).view(torch.uint8)
-    return Delta(best, torch.cat([head, body, _bytes(values)]), torch.from_numpy(idx), values)
+    return Delta(
+        encoding=best,
+        payload=torch.cat([head, body, _bytes(values)]),
+        where=torch.from_numpy(idx),
+        values=values,
+    )
 
 
 def _count(data: torch.Tensor, what: str, n: int) -> int:

@@ -53,7 +53,7 @@ class Spread:
         return self.max / self.mean if self.mean else 1.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DryRun:
     mode: str  # convert or load
     source: str
@@ -107,12 +107,15 @@ def dry_run(
     if load:
         budget = parse_size(spec.max_memory, "max_memory") or DEFAULT_MAX_MEMORY
         wanted = {
-            name: [Held(box=it.box, holders=it.holders)
-                   for it in conv.layouts[name].write_items(meta.shape, meta.itemsize)]
+            name: [
+                Held(box=it.box, holders=it.holders)
+                for it in conv.layouts[name].write_items(meta.shape, meta.itemsize)
+            ]
             for name, meta in conv.index.tensors.items()
-        }  # fmt: skip
-        plan = choose_plan(conv.index, wanted, world, budget, str(spec.strategy),
-                           StorageCost.of(conv.storage))  # fmt: skip
+        }
+        plan = choose_plan(
+            conv.index, wanted, world, budget, str(spec.strategy), StorageCost.of(conv.storage)
+        )
     else:
         budget = parse_size(spec.max_memory, "max_memory") or DEFAULT_CONVERT_MEMORY
         _, plan, _, _ = conv.plan(world)
@@ -121,12 +124,25 @@ def dry_run(
 
 def _report(mode: str, source: str, plan: ReadPlan, budget: int, started: float) -> DryRun:
     return DryRun(
-        mode=mode, source=source, world=plan.world, strategy=plan.strategy,
-        tensors=plan.tensor_count, bytes_total=plan.bytes_total, budget=budget,
-        waves=len(plan.waves), storage_requests=plan.reads_count(),
-        read=Spread.of(plan.bytes_read()), sent=Spread.of(plan.bytes_sent()),
-        received=Spread.of(plan.bytes_received()), peak_memory=Spread.of(plan.peak_use()),
+        mode=mode,
+        source=source,
+        world=plan.world,
+        strategy=plan.strategy,
+        tensors=plan.tensor_count,
+        bytes_total=plan.bytes_total,
+        budget=budget,
+        waves=len(plan.waves),
+        storage_requests=plan.reads_count(),
+        read=Spread.of(plan.bytes_read()),
+        sent=Spread.of(plan.bytes_sent()),
+        received=Spread.of(plan.bytes_received()),
+        peak_memory=Spread.of(plan.peak_use()),
         plan_s=round(time.perf_counter() - started, 3),
-        per_worker={"read": plan.bytes_read(), "sent": plan.bytes_sent(),
-                    "received": plan.bytes_received()} if plan.world <= PER_WORKER_MAX else {},
-    )  # fmt: skip
+        per_worker={
+            "read": plan.bytes_read(),
+            "sent": plan.bytes_sent(),
+            "received": plan.bytes_received(),
+        }
+        if plan.world <= PER_WORKER_MAX
+        else {},
+    )

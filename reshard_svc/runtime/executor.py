@@ -98,7 +98,7 @@ class Source(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProgressInfo:
     """Reported after every wave; the same numbers on every rank."""
 
@@ -123,7 +123,7 @@ def _crc(t: torch.Tensor) -> int:
     return int(crc32c.crc32c(tensor_bytes(t.detach().cpu().contiguous())))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _MyWave:
     """One wave as this rank sees it: its reads, and the pieces that cross between ranks
     (in plan order, the order of the exchange buffers on every rank)."""
@@ -167,7 +167,16 @@ class _MyWave:
         relayed.sort(key=lambda p: (p.via, p.dest))
         relays = bool(getattr(wave, "relays", False))
         mine = [r for r in reads if r.reader == me]
-        return cls(pieces, readers, mine, pieces_of, crossing, exchanges, relayed, relays)
+        return cls(
+            pieces=pieces,
+            readers=readers,
+            mine=mine,
+            pieces_of=pieces_of,
+            crossing=crossing,
+            exchanges=exchanges,
+            relayed=relayed,
+            relays=relays,
+        )
 
     def sender(self, p: Piece) -> int:
         return p.sender(self.readers[p.read].reader)
@@ -277,8 +286,9 @@ class _Step:
             if p.dest == me:
                 counts_in[w.sender(p)] += 8
         heads = torch.tensor(self.heads, dtype=torch.int64).view(torch.uint8)
-        got = self.comm.exchange(heads, counts_out, counts_in,
-                                 point_to_point=self.plan.point_to_point)  # fmt: skip
+        got = self.comm.exchange(
+            heads, counts_out, counts_in, point_to_point=self.plan.point_to_point
+        )
         self.heads = got.cpu().view(torch.int64).tolist() if got.numel() else []
         self.recv_splits = [0] * world
         at = 0
@@ -297,9 +307,12 @@ class _Step:
         if self.codec is not None:
             self._exchange_sizes()
         self.recv = self.comm.exchange(
-            self.send, self.send_splits, self.recv_splits, out=self.recv,
+            self.send,
+            self.send_splits,
+            self.recv_splits,
+            out=self.recv,
             point_to_point=self.plan.point_to_point,
-        )  # fmt: skip
+        )
         self.send = torch.empty(0, dtype=torch.uint8)
 
     def land(self, dest: Destination, verify: bool) -> None:
@@ -493,6 +506,13 @@ def execute(
         done += nbytes if nbytes is not None else sum(p.nbytes for p in wave.pieces)
         tensors_done += wave.tensors_done
         if progress is not None:
-            progress(ProgressInfo(done, total, tensors_done, tensors_total))
+            progress(
+                ProgressInfo(
+                    bytes_done=done,
+                    bytes_total=total,
+                    tensors_done=tensors_done,
+                    tensors_total=tensors_total,
+                )
+            )
     comm.run_everywhere(f"{label}finishing", raise_pending)
     return source.bytes_read

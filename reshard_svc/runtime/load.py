@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadStats:
     bytes_read: int  # fetched by this rank from storage (CRC blocks are read whole)
     bytes_total: int  # size of the loaded tensors in the checkpoint
@@ -122,10 +122,17 @@ def load(
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)
     got = gather(
-        comm, f"load({uri!r}): matching keys",
-        lambda: ({"load": _match(state_dict, index, uri, strict,
-                                 StoredValues(index, storage, comm.rank))}, None),
-    )  # fmt: skip
+        comm,
+        f"load({uri!r}): matching keys",
+        lambda: (
+            {
+                "load": _match(
+                    state_dict, index, uri, strict, StoredValues(index, storage, comm.rank)
+                )
+            },
+            None,
+        ),
+    )
     placed, holdings = got.mine["load"], got.holdings["load"]
     warn_if_over_budget(index, holdings, max_memory)
     wanted = {n: h.held for n, h in holdings.items()}
@@ -138,7 +145,13 @@ def load(
             p.fill_padding()
     planned = plan.bytes_read()[comm.rank]
     total = sum(index.tensors[n].nbytes for n in placed)
-    return LoadStats(read, total, len(plan.waves), planned, plan.strategy)
+    return LoadStats(
+        bytes_read=read,
+        bytes_total=total,
+        waves=len(plan.waves),
+        bytes_planned=planned,
+        strategy=plan.strategy,
+    )
 
 
 def _match(
@@ -188,8 +201,12 @@ def _match(
     for (stored, wanted), names in casts.items():
         logger.warning(
             "load(%r): casting %d tensor(s) stored as %s to %s (e.g. %r)",
-            uri, len(names), stored, wanted, names[0],
-        )  # fmt: skip
+            uri,
+            len(names),
+            stored,
+            wanted,
+            names[0],
+        )
     return placed
 
 

@@ -193,8 +193,9 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps (their index exists), oldest first."""
-        return [s.step for s in list_steps(self.root, self.storage_options, sizes=False)
-                if s.committed]  # fmt: skip
+        return [
+            s.step for s in list_steps(self.root, self.storage_options, sizes=False) if s.committed
+        ]
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -228,9 +229,11 @@ class CheckpointManager:
         if waited > 0.05:
             logger.info("step %d waited %.2f s for the previous save to commit", step, waited)
         future = self._saver.save(
-            self._with_step(step, state), self._step_uri(step),
-            storage_options=self.storage_options, checksum=self.checksum,
-        )  # fmt: skip
+            self._with_step(step, state),
+            self._step_uri(step),
+            storage_options=self.storage_options,
+            checksum=self.checksum,
+        )
         self._pending = (step, self._post.submit(self._after_commit, future, step))
         return True
 
@@ -266,9 +269,12 @@ class CheckpointManager:
 
     def _save_now(self, step: int, state: Mapping[str, Any]) -> None:
         save_checkpoint(
-            self._with_step(step, state), self._step_uri(step), process_group=self.process_group,
-            storage_options=self.storage_options, checksum=self.checksum,
-        )  # fmt: skip
+            self._with_step(step, state),
+            self._step_uri(step),
+            process_group=self.process_group,
+            storage_options=self.storage_options,
+            checksum=self.checksum,
+        )
         if self.comm.rank == 0:
             self._committed(step)
 
@@ -369,12 +375,20 @@ class CheckpointManager:
             else:
                 logger.warning(
                     "step %d has no %r saved by rank %d (saved at another world size?): "
-                    "keeping the value passed in", chosen, key, self.comm.rank,
-                )  # fmt: skip
+                    "keeping the value passed in",
+                    chosen,
+                    key,
+                    self.comm.rank,
+                )
         if local:
             view[RANK_LOCAL] = {str(self.comm.rank): local}
-        load_checkpoint(view, uri, process_group=self.process_group, strict=strict,
-                        storage_options=self.storage_options)  # fmt: skip
+        load_checkpoint(
+            view,
+            uri,
+            process_group=self.process_group,
+            strict=strict,
+            storage_options=self.storage_options,
+        )
         target: Any = state
         for key, value in view.items():
             if key != RANK_LOCAL:
@@ -406,8 +420,9 @@ class CheckpointManager:
                 if skipped:
                     logger.warning(
                         "skipped uncommitted or unreadable steps under %s: %s",
-                        self.root, ", ".join(skipped),
-                    )  # fmt: skip
+                        self.root,
+                        ", ".join(skipped),
+                    )
                 return s
             return None
 
@@ -496,9 +511,13 @@ class StepInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "step": self.step, "name": self.name, "committed": self.committed,
-            "bytes": self.bytes, "age_s": self.age_s, "policy": self.policy,
-        }  # fmt: skip
+            "step": self.step,
+            "name": self.name,
+            "committed": self.committed,
+            "bytes": self.bytes,
+            "age_s": self.age_s,
+            "policy": self.policy,
+        }
 
 
 def list_steps(
@@ -529,7 +548,13 @@ def list_steps(
         rows.append((step, name, committed, sum(files.values()), age))
     keep = retained([r[0] for r in rows if r[2]], keep_last, keep_every)
     return [
-        StepInfo(step=s, name=n, committed=c, bytes=b, age_s=a,
-                 policy=("keep" if s in keep else "delete") if c else None)
+        StepInfo(
+            step=s,
+            name=n,
+            committed=c,
+            bytes=b,
+            age_s=a,
+            policy=("keep" if s in keep else "delete") if c else None,
+        )
         for s, n, c, b, a in rows
-    ]  # fmt: skip
+    ]

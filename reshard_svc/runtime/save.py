@@ -105,7 +105,7 @@ def _write_file(
     return [spec.name, w.size, w.result()]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PreparedSave:
     """A save after the ranks agreed on it: what to write where, before any data moves."""
 
@@ -195,8 +195,7 @@ def prepare_save(
     )
     token = tokens[0]
     try:
-        got = gather(comm, f"save({uri!r}): describing the state dict",
-                     lambda: _sides(state_dict))  # fmt: skip
+        got = gather(comm, f"save({uri!r}): describing the state dict", lambda: _sides(state_dict))
         extras = _agreed_extras(got.extras)
     except BaseException:
         if run is not None:
@@ -206,9 +205,18 @@ def prepare_save(
     staging = storage.staging(token)
     plan = plan_save(holdings, comm.world, token=token, file_suffix=staging.file_suffix)
     return PreparedSave(
-        uri, storage, staging, got.mine["save"], holdings, extras, plan, token, checksum, run,
-        replicated(holdings) if check_replicas else {},
-    )  # fmt: skip
+        uri=uri,
+        storage=storage,
+        staging=staging,
+        placed=got.mine["save"],
+        holdings=holdings,
+        extras=extras,
+        plan=plan,
+        token=token,
+        checksum=checksum,
+        run=run,
+        replicas=replicated(holdings) if check_replicas else {},
+    )
 
 
 def _sides(state_dict: Mapping[str, Any]) -> tuple[dict[str, dict[str, Placed]], dict[str, Any]]:
@@ -259,14 +267,14 @@ def write_and_commit(
     index = CheckpointIndex(
         tensors={
             name: TensorMeta(
-                name,
-                dtype_from_name(h.dtype),
-                h.shape,
-                Layout.parse(h.layout) if h.layout else None,
-                plan.chunks[name],
+                name=name,
+                dtype=dtype_from_name(h.dtype),
+                shape=h.shape,
+                layout=Layout.parse(h.layout) if h.layout else None,
+                chunks=plan.chunks[name],
             )
             for name, h in prep.holdings.items()
-        },  # fmt: skip
+        },
         files=files,
         extras=prep.extras,
         created_by=f"reshard_svc {__version__}",

@@ -103,7 +103,7 @@ def _ints(what: str, value: Any) -> tuple[int, ...]:
     return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Leaf:
     """A leaf of a nested state dict: its dotted name, value and where it lives."""
 
@@ -144,11 +144,11 @@ def _walk(d: Mapping[Any, Any], prefix: str, out: dict[str, Leaf]) -> None:
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and not _is_tensor_like(value):
             if not value:
-                _add(out, Leaf(name, {}, d, key))  # type: ignore[arg-type]
+                _add(out, Leaf(name=name, value={}, parent=d, key=key))  # type: ignore[arg-type]
                 continue
             _walk(value, name + ".", out)
             continue
-        leaf = Leaf(name, value, d, key)  # type: ignore[arg-type]
+        leaf = Leaf(name=name, value=value, parent=d, key=key)  # type: ignore[arg-type]
         if leaf.kind == "extra":
             _check_json(name, value)
         _add(out, leaf)

@@ -72,7 +72,7 @@ __all__ = ["SyncResult", "WeightSync"]
 _Key = tuple[int, Box]  # a region a sender sends: (read id, box)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyncResult:
     """One push on this rank: the version, the target tensors written, the waves, the
     bytes this rank sent (encoded) against what a full push sends from it, the bytes it
@@ -91,7 +91,7 @@ class SyncResult:
     seconds: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Geometry:
     """What the session derives from a plan once: each target's and read's wave, and the
     reads by id."""
@@ -115,10 +115,17 @@ class _Geometry:
                 reads[r.id] = r
             for p in wave.pieces:
                 of_target[p.target] = wi
-        return cls(entry.plan_id, plan, of_target, of_name, index, reads)
+        return cls(
+            plan_id=entry.plan_id,
+            plan=plan,
+            wave_of_target=of_target,
+            wave_of_name=of_name,
+            wave_index=index,
+            reads=reads,
+        )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Push:
     """One push in flight on this rank."""
 
@@ -265,9 +272,14 @@ class WeightSync:
             if self._verify:
                 _check_sources(entry, local, comm)
         self._push = _Push(
-            version, local, entry, cached, [t["held"] for t in table], [t["sent"] for t in table],
-            start,
-        )  # fmt: skip
+            version=version,
+            local=local,
+            entry=entry,
+            cached=cached,
+            held=[t["held"] for t in table],
+            sent=[t["sent"] for t in table],
+            start=start,
+        )
 
     def update(self) -> None:
         """Move the data of the push begun (collective); see the module doc for when it
@@ -280,15 +292,25 @@ class WeightSync:
         if geometry is None:  # pragma: no cover (begin() set it)
             raise UsageError("update() before begin()")
         landing = _Landing(plan, push.local.dst, push.entry.arena, hold, self, push.version)
-        codec = _Codec(self, push, geometry, landing, hold) if self._delta else None
+        codec = (
+            _Codec(session=self, push=push, geometry=geometry, landing=landing, hold=hold)
+            if self._delta
+            else None
+        )
         push.landing, push.codec = landing, codec
         comm = self._comm
         try:
             with torch.no_grad(), collector_paused():
                 execute(
-                    plan, _HeldSource(push.local.src, push.entry.dtypes), comm, landing,
-                    arena=push.entry.arena, verify=self._verify, label="sync ", codec=codec,
-                )  # fmt: skip
+                    plan,
+                    _HeldSource(push.local.src, push.entry.dtypes),
+                    comm,
+                    landing,
+                    arena=push.entry.arena,
+                    verify=self._verify,
+                    label="sync ",
+                    codec=codec,
+                )
         except Exception as e:
             self._push = None
             self._remember(landing.updated, push.local.dst)
@@ -329,11 +351,18 @@ class WeightSync:
         sent = codec.bytes_sent if codec else plan.sent[rank]
         received = codec.bytes_received if codec else plan.received[rank]
         return SyncResult(
-            push.version, tuple(landing.updated), len(plan.waves), sent, plan.sent[rank],
-            received, codec.deltas if codec else 0,
-            codec.wholes if codec else _pieces_sent(plan, rank, self._geometry),
-            push.cached, landing.hold, time.perf_counter() - push.start,
-        )  # fmt: skip
+            version=push.version,
+            updated=tuple(landing.updated),
+            waves=len(plan.waves),
+            bytes_sent=sent,
+            bytes_full=plan.sent[rank],
+            bytes_received=received,
+            delta_pieces=codec.deltas if codec else 0,
+            whole_pieces=codec.wholes if codec else _pieces_sent(plan, rank, self._geometry),
+            plan_cached=push.cached,
+            held_until_commit=landing.hold,
+            seconds=time.perf_counter() - push.start,
+        )
 
     def abort(self) -> None:
         """Drop the push in flight after ``begin()`` or ``update()`` (every rank calls it
@@ -415,9 +444,8 @@ def _pieces_sent(plan: TransferPlan, rank: int, geometry: _Geometry | None) -> i
     if geometry is None:
         return 0
     return sum(
-        1 for w in plan.waves for p in w.pieces
-        if geometry.reads[p.read].reader == rank != p.dest
-    )  # fmt: skip
+        1 for w in plan.waves for p in w.pieces if geometry.reads[p.read].reader == rank != p.dest
+    )
 
 
 # ---- the destination and the codec
@@ -503,7 +531,7 @@ class _Landing(_Parking, _Staging):
         self.updated.extend(names)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Codec(_Parking):
     """Each piece a rank sends to another: a delta against what it last sent when the
     receiver holds that version, else the whole piece; and, once the wave is written,

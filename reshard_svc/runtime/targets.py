@@ -43,7 +43,7 @@ __all__ = [
 _BAND_BYTES = 64 * 1024 * 1024
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Placed:
     """A tensor leaf on this rank: its global metadata and this rank's views of the boxes
     it holds (a :class:`LocalShard` target also lists its padding, to fill)."""
@@ -77,7 +77,9 @@ def describe(leaf: Leaf) -> Placed:
     if leaf.kind == "local":
         shard: LocalShard = value
         t = shard.data
-        placed = Placed(leaf.name, t.dtype, shard.global_shape, None, pad=shard.pad)
+        placed = Placed(
+            name=leaf.name, dtype=t.dtype, shape=shard.global_shape, layout=None, pad=shard.pad
+        )
         if t.numel():
             placed.local[Box(shard.offsets, tuple(t.shape))] = t
         placed.padding = shard.padding()
@@ -85,7 +87,7 @@ def describe(leaf: Leaf) -> Placed:
     if leaf.kind == "dtensor":
         layout = _compat.layout_of(value)
         shape = tuple(int(s) for s in value.shape)
-        placed = Placed(leaf.name, value.dtype, shape, layout)
+        placed = Placed(name=leaf.name, dtype=value.dtype, shape=shape, layout=layout)
         me = _compat.mesh_rank_of(value.device_mesh)
         if me is not None:
             mine = layout.rank_boxes(shape, me)
@@ -97,7 +99,7 @@ def describe(leaf: Leaf) -> Placed:
     if leaf.kind == "sharded":
         md = value.metadata()
         shape = tuple(int(s) for s in md.size)
-        placed = Placed(leaf.name, md.tensor_properties.dtype, shape, None)
+        placed = Placed(name=leaf.name, dtype=md.tensor_properties.dtype, shape=shape, layout=None)
         for s in value.local_shards():
             box = Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes))
             if not box.is_empty:
@@ -106,7 +108,7 @@ def describe(leaf: Leaf) -> Placed:
     if leaf.kind == "tensor":
         whole: torch.Tensor = value
         shape = tuple(whole.shape)
-        placed = Placed(leaf.name, whole.dtype, shape, None)
+        placed = Placed(name=leaf.name, dtype=whole.dtype, shape=shape, layout=None)
         if math.prod(shape):
             placed.local[Box((0,) * whole.dim(), shape)] = whole
         return placed

@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TransferResult:
     """What one rank did: target names updated, waves run, its bytes out/in/copied,
     whether the plan came from the cache, and the wall time."""
@@ -88,7 +88,7 @@ class TransferResult:
     seconds: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Entry:
     """A cached plan: its world-wide id, the plan, the source boxes that have replicas,
     and this rank's reusable exchange and staging memory."""
@@ -144,8 +144,15 @@ def transfer(
             _check_sources(entry, local, comm)
         into = _Staging(plan, local.dst, entry.arena)
         try:
-            execute(plan, _HeldSource(local.src, entry.dtypes), comm, into, arena=entry.arena,
-                    verify=verify, label="transfer ")  # fmt: skip
+            execute(
+                plan,
+                _HeldSource(local.src, entry.dtypes),
+                comm,
+                into,
+                arena=entry.arena,
+                verify=verify,
+                label="transfer ",
+            )
         except Exception as e:
             done = tuple(into.updated)
             rest = tuple(n for n in plan.tensors if n not in set(done))
@@ -159,15 +166,20 @@ def transfer(
             ) from e
     rank = comm.rank
     return TransferResult(
-        tuple(into.updated), len(plan.waves), plan.sent[rank], plan.received[rank],
-        plan.copied[rank], cached, time.perf_counter() - start,
-    )  # fmt: skip
+        updated=tuple(into.updated),
+        buckets=len(plan.waves),
+        bytes_sent=plan.sent[rank],
+        bytes_received=plan.received[rank],
+        bytes_copied=plan.copied[rank],
+        plan_cached=cached,
+        seconds=time.perf_counter() - start,
+    )
 
 
 # ---- describe
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Local:
     """This rank's sources and targets, or the error describing them raised (reported to
     every rank at the plan's agreement), and the key of its description."""
@@ -189,11 +201,13 @@ class _Local:
         try:
             s, d = _placed(src, "src"), _placed(dst, "dst")
         except Exception as e:  # reported to every rank by the layout exchange
-            return cls({}, {}, f"{type(e).__name__}: {e}", "")
-        me = {side: {n: p.describe() for n, p in sorted(ps.items())}
-              for side, ps in (("src", s), ("dst", d))}  # fmt: skip
+            return cls(src={}, dst={}, error=f"{type(e).__name__}: {e}", key="")
+        me = {
+            side: {n: p.describe() for n, p in sorted(ps.items())}
+            for side, ps in (("src", s), ("dst", d))
+        }
         key = json.dumps([me, _names_json(names), budget, comm.rank, comm.world])
-        return cls(s, d, None, key)
+        return cls(src=s, dst=d, error=None, key=key)
 
     def sides(self) -> dict[str, dict[str, Placed]]:
         if self.error is not None:
@@ -249,17 +263,28 @@ def _plan(
                 )
     plan = plan_transfer(got.holdings["src"], got.holdings["dst"], names, comm.world, budget)
     everything = json.dumps(
-        {s: {n: [h.dtype, list(h.shape), [[list(x.box.offsets), list(x.box.sizes),
-             list(x.holders)] for x in h.held]] for n, h in hs.items()}
-         for s, hs in got.holdings.items()},
+        {
+            s: {
+                n: [
+                    h.dtype,
+                    list(h.shape),
+                    [[list(x.box.offsets), list(x.box.sizes), list(x.holders)] for x in h.held],
+                ]
+                for n, h in hs.items()
+            }
+            for s, hs in got.holdings.items()
+        },
         sort_keys=True,
-    )  # fmt: skip
+    )
     digest = hashlib.blake2b(everything.encode(), digest_size=8).digest()
     dtypes = {n: getattr(torch, h.dtype) for n, h in got.holdings["src"].items()}
     entry = _Entry(
-        int.from_bytes(digest, "big") >> 2, plan, dtypes, replicated(got.holdings["src"]),
-        Arena(comm.device),
-    )  # fmt: skip
+        plan_id=int.from_bytes(digest, "big") >> 2,
+        plan=plan,
+        dtypes=dtypes,
+        replicated=replicated(got.holdings["src"]),
+        arena=Arena(comm.device),
+    )
     if cache is not None:
         cache.put(local.key, entry)
     return entry, False

@@ -49,7 +49,9 @@ def copy_blobs(
                 table.check(lo, data)
             start = writer.size
             writer.write(data[b.begin - lo : b.end - lo])
-            out[key] = Blob(key, name, start, writer.size, b.encoding, b.key)
+            out[key] = Blob(
+                name=key, file=name, begin=start, end=writer.size, encoding=b.encoding, key=b.key
+            )
     block_size = DEFAULT_BLOCK_SIZE if algorithm != "none" else None
     return FileMeta.from_written(name, writer.size, writer.result(), block_size), out
 
@@ -94,8 +96,12 @@ class BandSink:
         transforms: Mapping[str, tuple[torch.dtype, Transform]] | None = None,
     ) -> None:
         self.plan, self.dtypes, self.where, self.writers, self.pool = (
-            plan, dtypes, where, writers, pool
-        )  # fmt: skip
+            plan,
+            dtypes,
+            where,
+            writers,
+            pool,
+        )
         self.transforms = dict(transforms or {})
         self.buffers: dict[int, torch.Tensor] = {}
         self.taken: dict[int, list[tuple[Box, torch.Tensor]]] = {}
@@ -154,8 +160,11 @@ class BandSink:
                     writer.put(offset + (box.offsets[0] - t.box.offsets[0]) * row_bytes, data, None)
             else:  # a 2-D band split by columns
                 rel = [(box.relative_to(t.box), data) for box, data in taken]
-                writer.put_band(offset, (t.box.sizes[0], t.box.sizes[1]),
-                                [((b.offsets, b.sizes), d) for b, d in rel])  # fmt: skip
+                writer.put_band(
+                    offset,
+                    (t.box.sizes[0], t.box.sizes[1]),
+                    [((b.offsets, b.sizes), d) for b, d in rel],
+                )
 
 
 class FileWriter:

@@ -106,7 +106,7 @@ class Storage(Protocol):
     def remove(self, name: str) -> None: ...
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CollectReport:
     """What cleaning up dead runs did (or, in a dry run, would do), path by path."""
 

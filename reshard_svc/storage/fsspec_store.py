@@ -304,8 +304,11 @@ class FsspecStorage:
 
     def _lease_guard(self) -> contextlib.AbstractContextManager[Any]:
         """Serialises lease changes where the store lives in this process (memory://)."""
-        return _MEMORY_LEASES if getattr(self.fs, "protocol", None) in ("memory", ("memory",)) \
-            else contextlib.nullcontext()  # fmt: skip
+        return (
+            _MEMORY_LEASES
+            if getattr(self.fs, "protocol", None) in ("memory", ("memory",))
+            else contextlib.nullcontext()
+        )
 
     def create_lease(self, record: bytes, token: str) -> str:
         with self._lease_guard():

@@ -66,7 +66,7 @@ def default_owner() -> str:
     return _owner
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LeaseRecord:
     """What a lease says about its holder."""
 
@@ -157,8 +157,16 @@ class Lease:
         that one; of several contenders exactly one wins."""
         now = time.time()
         pid = os.getpid()
-        record = LeaseRecord(token, kind, default_owner(), socket.gethostname(), pid, now,
-                             renewed=now, pid_start=process_start(pid))  # fmt: skip
+        record = LeaseRecord(
+            token=token,
+            kind=kind,
+            owner=default_owner(),
+            host=socket.gethostname(),
+            pid=pid,
+            started=now,
+            renewed=now,
+            pid_start=process_start(pid),
+        )
         for _ in range(TAKEOVER_TRIES):
             try:
                 return cls(store, uri, record, store.create_lease(record.dumps(), token))
@@ -180,8 +188,10 @@ class Lease:
         holder = parse(current)
         if holder is not None and current is not None:
             raise _busy(uri, store, holder, current, time.time())
-        raise TargetBusyError(f"{uri}: could not take its lease ({store.lease_path()}): other "
-                              "runs keep taking it; retry when they are done")  # fmt: skip
+        raise TargetBusyError(
+            f"{uri}: could not take its lease ({store.lease_path()}): other "
+            "runs keep taking it; retry when they are done"
+        )
 
     def _write(self) -> None:
         with self._lock:

@@ -320,8 +320,9 @@ class LocalStorage(FsspecStorage):
             logger.warning(
                 "the commit into %s stopped half way; the next run into it (or `reshard gc "
                 "%s`) finishes it",
-                self.root, self.root,
-            )  # fmt: skip
+                self.root,
+                self.root,
+            )
             return
         shutil.rmtree(staging.root, ignore_errors=True)
 

@@ -209,16 +209,25 @@ class S3Storage(FsspecStorage):
         except MissingFileError:
             return None
         modified = out.get("LastModified")
-        return LeaseState(record, str(out["ETag"]).strip('"'),
-                          modified.timestamp() if modified is not None else None)  # fmt: skip
+        return LeaseState(
+            record,
+            str(out["ETag"]).strip('"'),
+            modified.timestamp() if modified is not None else None,
+        )
 
     def _put(self, record: bytes, **condition: str) -> str | None:
         """PUT the lease under ``condition``; its ETag, or None when the condition failed."""
         bucket, key = self._lease_key()
         try:
-            out = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=record,
-                                  ChecksumAlgorithm="CRC32C", ChecksumCRC32C=crc32c_b64(record),
-                                  **condition)  # fmt: skip
+            out = self.fs.call_s3(
+                "put_object",
+                Bucket=bucket,
+                Key=key,
+                Body=record,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=crc32c_b64(record),
+                **condition,
+            )
         except (FileExistsError, OSError) as e:
             if not _precondition_failed(e):
                 raise StorageError(f"write the lease {self.lease_path()}: {e}") from e

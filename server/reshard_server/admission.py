@@ -94,8 +94,10 @@ def admit(
     source, target = check_paths(spec.source, spec.target, settings, who)
     job_spec = spec.to_spec()
     max_nodes = min(settings.max_nodes, max_nodes)
-    for what, value, limit in (("workers", job_spec.workers, settings.max_workers),
-                               ("nodes", job_spec.nodes, max_nodes)):  # fmt: skip
+    for what, value, limit in (
+        ("workers", job_spec.workers, settings.max_workers),
+        ("nodes", job_spec.nodes, max_nodes),
+    ):
         if value > limit:
             hint = " (the local launcher runs one node)" if what == "nodes" else ""
             raise Refused(422, f"{what}={value} exceeds this server's limit of {limit}{hint}")
@@ -106,9 +108,13 @@ def admit(
         idem_key = f"{who.name}:{idem_key}"  # users' keys never meet
     try:
         job, created = store.create(
-            body, idem_key, digest if idem_key else None, settings.max_queued,
-            owner=who.name, owner_max_queued=who.max_queued,
-        )  # fmt: skip
+            body,
+            idem_key,
+            digest if idem_key else None,
+            settings.max_queued,
+            owner=who.name,
+            owner_max_queued=who.max_queued,
+        )
     except QueueFull as e:
         raise Refused(429, f"queue is full: {e}", {"Retry-After": "5"}) from None
     if not created and (job.idem_hash != digest or job.owner != who.name):

@@ -65,8 +65,13 @@ class _TooLarge(Exception):
 
 async def _too_large(send: Send, limit: int) -> None:
     body = f'{{"detail":"request body exceeds {limit} bytes"}}'.encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -124,8 +129,13 @@ def allowed_hosts(settings: Settings) -> set[str]:
 
 async def _refuse(send: Send, code: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": code,
-                "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": code,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

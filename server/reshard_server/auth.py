@@ -59,7 +59,7 @@ class AuthFileError(Exception):
     """The auth file cannot be used; the message names the entry to fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Principal:
     """An authenticated caller: its name, scopes, roots (None: every server root) and
     quotas (None: the server's)."""
@@ -89,7 +89,7 @@ def new_token() -> tuple[str, str]:
     return f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}", token_id
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Loaded:
     stamp: tuple[int, int, int] | None = None
     by_hash: dict[str, tuple[str, str]] = field(default_factory=dict)  # hash -> (user, id)
@@ -200,15 +200,21 @@ class AuthFile:
         data = self.load_raw()
         entry = data["users"].setdefault(user, {"tokens": []})
         entry["scopes"] = sorted(set(scopes))
-        for key, value in (("roots", roots), ("max_running", max_running),
-                           ("max_queued", max_queued)):  # fmt: skip
+        for key, value in (
+            ("roots", roots),
+            ("max_running", max_running),
+            ("max_queued", max_queued),
+        ):
             if value is not None:
                 entry[key] = value
         token, token_id = new_token()
-        entry["tokens"].append({
-            "id": token_id, "sha256": hash_token(token),
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        })  # fmt: skip
+        entry["tokens"].append(
+            {
+                "id": token_id,
+                "sha256": hash_token(token),
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+        )
         self.save_raw(data)
         return token, token_id
 
@@ -279,8 +285,11 @@ def parse(text: str, where: str) -> dict[str, Any]:
             if not isinstance(tok, dict):
                 raise AuthFileError(f"{tw} must be a mapping with id and sha256")
             digest, tid = tok.get("sha256"), tok.get("id")
-            if not (isinstance(digest, str) and len(digest) == 64
-                    and all(c in "0123456789abcdef" for c in digest)):  # fmt: skip
+            if not (
+                isinstance(digest, str)
+                and len(digest) == 64
+                and all(c in "0123456789abcdef" for c in digest)
+            ):
                 raise AuthFileError(f"{tw}.sha256 must be 64 lowercase hex characters")
             if not isinstance(tid, str) or not tid or tid in seen_ids:
                 raise AuthFileError(f"{tw}.id must be a unique string")
@@ -290,8 +299,18 @@ def parse(text: str, where: str) -> dict[str, Any]:
 
 #: signatures a JWT may carry: asymmetric only (an HMAC "signed" with a public key, and
 #: ``alg: none``, are refused by construction)
-JWT_ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384",
-                  "ES512", "EdDSA"]  # fmt: skip
+JWT_ALGORITHMS = [
+    "RS256",
+    "RS384",
+    "RS512",
+    "PS256",
+    "PS384",
+    "PS512",
+    "ES256",
+    "ES384",
+    "ES512",
+    "EdDSA",
+]
 SCOPE_PREFIX = "reshard:"
 
 
@@ -308,8 +327,9 @@ class JwtVerifier:
         self.issuer, self.audience = issuer, audience
         self.user_claim, self.scopes_claim = user_claim, scopes_claim
         if not (issuer and audience and jwks):
-            raise AuthFileError("JWTs need RESHARD_JWT_ISSUER, RESHARD_JWT_AUDIENCE and "
-                                "RESHARD_JWT_JWKS")  # fmt: skip
+            raise AuthFileError(
+                "JWTs need RESHARD_JWT_ISSUER, RESHARD_JWT_AUDIENCE and RESHARD_JWT_JWKS"
+            )
         if jwks.startswith(("https://", "http://")):
             self._client: Any = jwt.PyJWKClient(jwks, cache_keys=True, lifespan=300)
             self._keys: Any = None
@@ -337,16 +357,23 @@ class JwtVerifier:
 
         try:
             claims = jwt.decode(
-                token, self._key(token), algorithms=JWT_ALGORITHMS, audience=self.audience,
-                issuer=self.issuer, options={"require": ["exp", "iss", "aud"]},
-            )  # fmt: skip
+                token,
+                self._key(token),
+                algorithms=JWT_ALGORITHMS,
+                audience=self.audience,
+                issuer=self.issuer,
+                options={"require": ["exp", "iss", "aud"]},
+            )
         except (jwt.PyJWTError, ValueError, KeyError):
             return None
         user = claims.get(self.user_claim)
         raw = claims.get(self.scopes_claim, [])
         values = raw.split() if isinstance(raw, str) else raw if isinstance(raw, list) else []
-        scopes = {v[len(SCOPE_PREFIX):] for v in values
-                  if isinstance(v, str) and v.startswith(SCOPE_PREFIX)}  # fmt: skip
+        scopes = {
+            v[len(SCOPE_PREFIX) :]
+            for v in values
+            if isinstance(v, str) and v.startswith(SCOPE_PREFIX)
+        }
         scopes &= set(SCOPES)
         if not isinstance(user, str) or not user or not scopes:
             return None
@@ -361,8 +388,13 @@ def jwt_verifier(settings: Any) -> JwtVerifier | None:
     """The verifier ``RESHARD_JWT_*`` configure, or None when no issuer is set."""
     if not settings.jwt_issuer:
         return None
-    return JwtVerifier(settings.jwt_issuer, settings.jwt_audience, settings.jwt_jwks,
-                       settings.jwt_user_claim, settings.jwt_scopes_claim)  # fmt: skip
+    return JwtVerifier(
+        settings.jwt_issuer,
+        settings.jwt_audience,
+        settings.jwt_jwks,
+        settings.jwt_user_claim,
+        settings.jwt_scopes_claim,
+    )
 
 
 def owner_principal(name: str, auth: AuthFile | None, jwt: JwtVerifier | None) -> Principal | None:
@@ -370,8 +402,8 @@ def owner_principal(name: str, auth: AuthFile | None, jwt: JwtVerifier | None) -
     once removed: their watch submits nothing), or an identity-provider user (whose token
     was valid when they made the watch)."""
     if name in ("", ADMIN):
-        return Principal(ADMIN, frozenset({ADMIN}), via="shared-token")
+        return Principal(name=ADMIN, scopes=frozenset({ADMIN}), via="shared-token")
     who = auth.user(name) if auth is not None else None
     if who is None and jwt is not None:
-        return Principal(name, frozenset({"submit"}), via="jwt")
+        return Principal(name=name, scopes=frozenset({"submit"}), via="jwt")
     return who

@@ -113,7 +113,7 @@ class Settings(BaseSettings):
             "AWS_DEFAULT_REGION",
             "AWS_ENDPOINT_URL",
             "FSSPEC_S3_ENDPOINT_URL",
-        ],  # fmt: skip
+        ],
         description="keys of the storage Secret passed to workers (missing ones are skipped)",
     )
     max_body_bytes: int = Field(default=64 * 1024, ge=1024, description="request body limit (413)")

@@ -151,7 +151,7 @@ class QueueFull(Exception):
     """The queue holds ``max_queued`` jobs already."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobRow:
     id: str
     state: str
@@ -201,7 +201,7 @@ class JobRow:
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AuditRow:
     seq: int
     at: float
@@ -222,7 +222,7 @@ class WatchExists(Exception):
         super().__init__(watch_id)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WatchStepRow:
     step: int
     source: str
@@ -232,7 +232,7 @@ class WatchStepRow:
     at: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WatchRow:
     id: str
     state: str
@@ -246,10 +246,15 @@ class WatchRow:
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> WatchRow:
         return cls(
-            id=r["id"], state=r["state"], spec=json.loads(r["spec"]), created_at=r["created_at"],
-            last_scan_at=r["last_scan_at"], stopped_at=r["stopped_at"], error=r["error"],
+            id=r["id"],
+            state=r["state"],
+            spec=json.loads(r["spec"]),
+            created_at=r["created_at"],
+            last_scan_at=r["last_scan_at"],
+            stopped_at=r["stopped_at"],
+            error=r["error"],
             owner=r["owner"] or "",
-        )  # fmt: skip
+        )
 
 
 def _where(*conds: tuple[str, Any]) -> tuple[str, list[Any]]:
@@ -380,9 +385,17 @@ class JobStore:
             self._db.execute(
                 "INSERT INTO audit (at, principal, action, target, outcome, code, detail, "
                 "address) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (time.time(), principal, action, target[:1000], outcome, code, detail[:2000],
-                 address),
-            )  # fmt: skip
+                (
+                    time.time(),
+                    principal,
+                    action,
+                    target[:1000],
+                    outcome,
+                    code,
+                    detail[:2000],
+                    address,
+                ),
+            )
 
     def audit_log(
         self, limit: int, before: int | None = None, principal: str | None = None
@@ -492,9 +505,17 @@ class JobStore:
                 "SELECT * FROM watch_steps WHERE watch_id=? ORDER BY step DESC LIMIT ?",
                 (watch_id, -1 if limit is None else limit),
             ).fetchall()
-        return [WatchStepRow(step=r["step"], source=r["source"], outcome=r["outcome"],
-                             job_id=r["job_id"], detail=r["detail"], at=r["at"])
-                for r in rows]  # fmt: skip
+        return [
+            WatchStepRow(
+                step=r["step"],
+                source=r["source"],
+                outcome=r["outcome"],
+                job_id=r["job_id"],
+                detail=r["detail"],
+                at=r["at"],
+            )
+            for r in rows
+        ]
 
     def count_submitted(self, watch_id: str) -> int:
         with self._lock:

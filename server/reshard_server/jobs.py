@@ -131,8 +131,10 @@ class JobManager(Ticker):
                 break
             limit = self.running_limit(job.owner)
             if limit is not None and per_owner[job.owner] >= limit:
-                reason = (f"user {job.owner!r} has {per_owner[job.owner]} jobs running (their "
-                          f"max_running is {limit})")  # fmt: skip
+                reason = (
+                    f"user {job.owner!r} has {per_owner[job.owner]} jobs running (their "
+                    f"max_running is {limit})"
+                )
                 if job.reason != reason:
                     self.store.update(job.id, reason=reason)
                 continue
@@ -154,8 +156,10 @@ class JobManager(Ticker):
             logger.info("job %s: the engine keeps it waiting (%s)", job.id, status.reason)
         waited = now - since
         if status.hopeless and waited >= self.settings.pending_timeout_s and job.handle:
-            why = (f"{status.reason}: the engine cannot start it (the request exceeds what it "
-                   f"offers); gave up after {waited:.0f} s (RESHARD_PENDING_TIMEOUT_S)")  # fmt: skip
+            why = (
+                f"{status.reason}: the engine cannot start it (the request exceeds what it "
+                f"offers); gave up after {waited:.0f} s (RESHARD_PENDING_TIMEOUT_S)"
+            )
             try:
                 self.launcher.cancel(job.handle, force=True)
             except Exception:
@@ -189,15 +193,31 @@ class JobManager(Ticker):
             committed = self._target_committed(job)
             if not committed and job.attempts <= self.settings.max_retries:
                 logger.info("job %s: re-queued (%s)", job.id, status.reason)
-                self.store.update(job.id, state="queued", started_at=None, progress={},
-                                  error=None, handle=None, final=None, token_hash=None,
-                                  reason=None, pending_since=None)  # fmt: skip
+                self.store.update(
+                    job.id,
+                    state="queued",
+                    started_at=None,
+                    progress={},
+                    error=None,
+                    handle=None,
+                    final=None,
+                    token_hash=None,
+                    reason=None,
+                    pending_since=None,
+                )
             elif committed:
-                self._finish(job, "failed", f"{status.reason}; its target is committed but "
-                             "the job's completion was not recorded — verify it before use")  # fmt: skip
+                self._finish(
+                    job,
+                    "failed",
+                    f"{status.reason}; its target is committed but "
+                    "the job's completion was not recorded — verify it before use",
+                )
             else:
-                self._finish(job, "failed", f"{status.reason}; retry limit "
-                             f"({self.settings.max_retries}) reached")  # fmt: skip
+                self._finish(
+                    job,
+                    "failed",
+                    f"{status.reason}; retry limit ({self.settings.max_retries}) reached",
+                )
         else:
             reason = final.get("error") or status.reason or "the workers failed"
             if final.get("error") and status.reason:
@@ -217,8 +237,14 @@ class JobManager(Ticker):
     def _finish(self, job: JobRow, state: str, error: str | None) -> None:
         if state in ("failed", "cancelled"):
             self._collect(job)  # before the state says so: a client may look right away
-        self.store.update(job.id, state=state, error=error, finished_at=time.time(),
-                          reason=None, pending_since=None)  # fmt: skip
+        self.store.update(
+            job.id,
+            state=state,
+            error=error,
+            finished_at=time.time(),
+            reason=None,
+            pending_since=None,
+        )
         if state == "succeeded":
             self.bytes_converted += int(job.progress.get("bytes_total", 0))
         logger.info("job %s: %s%s", job.id, state, f" ({error})" if error else "")
@@ -239,23 +265,40 @@ class JobManager(Ticker):
     def _launch(self, job: JobRow) -> None:
         token = secrets.token_urlsafe(32)
         if job.at_engine or not self.store.transition(
-            job.id, ("queued",), state="running", started_at=time.time(),
-            attempts=job.attempts + 1, engine=self.launcher.name, handle=None, final=None,
+            job.id,
+            ("queued",),
+            state="running",
+            started_at=time.time(),
+            attempts=job.attempts + 1,
+            engine=self.launcher.name,
+            handle=None,
+            final=None,
             token_hash=token_hash(token),
-        ):  # fmt: skip
+        ):
             return
         env = worker_env(
-            self.settings.worker_env(), job_id=job.id, callback_token=token,
+            self.settings.worker_env(),
+            job_id=job.id,
+            callback_token=token,
             callback_url=f"{self.settings.callback_base()}/v1/jobs/{job.id}/events",
-        )  # fmt: skip
-        launch = Launch(job.id, job.attempts + 1, ConvertSpec.from_json(job.spec), env,
-                        self.log_path(job.id))  # fmt: skip
+        )
+        launch = Launch(
+            job_id=job.id,
+            attempt=job.attempts + 1,
+            spec=ConvertSpec.from_json(job.spec),
+            env=env,
+            log_path=self.log_path(job.id),
+        )
         try:
             handle = self.launcher.submit(launch)
         except Exception as e:
             logger.exception("job %s: could not start", job.id)
-            self.store.update(job.id, state="failed", error=f"could not start workers: {e}",
-                              finished_at=time.time())  # fmt: skip
+            self.store.update(
+                job.id,
+                state="failed",
+                error=f"could not start workers: {e}",
+                finished_at=time.time(),
+            )
             return
         self.store.update(job.id, handle=handle)
 
@@ -280,9 +323,12 @@ class JobManager(Ticker):
             self.store.update(job_id, cancel_requested=1)
             self._cancel_running(job)
         elif job.state == "queued" and self.store.transition(
-            job_id, ("queued",), state="cancelled", error="cancelled by request",
+            job_id,
+            ("queued",),
+            state="cancelled",
+            error="cancelled by request",
             finished_at=time.time(),
-        ):  # fmt: skip
+        ):
             return self.store.get(job_id)
         return self.store.get(job_id)
 

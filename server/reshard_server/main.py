@@ -79,12 +79,16 @@ def _token_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="action", required=True)
     add = sub.add_parser("add", help="a new token for USER, printed once")
     add.add_argument("user")
-    add.add_argument("--scopes", default="read,submit,cancel",
-                     help="comma-separated: read, submit, cancel, admin (default: "
-                     "read,submit,cancel)")  # fmt: skip
-    add.add_argument("--roots", default=None,
-                     help="comma-separated paths or URI prefixes, within RESHARD_ROOTS "
-                     "(default: all of them)")  # fmt: skip
+    add.add_argument(
+        "--scopes",
+        default="read,submit,cancel",
+        help="comma-separated: read, submit, cancel, admin (default: read,submit,cancel)",
+    )
+    add.add_argument(
+        "--roots",
+        default=None,
+        help="comma-separated paths or URI prefixes, within RESHARD_ROOTS (default: all of them)",
+    )
     add.add_argument("--max-running", type=int, default=None, help="the user's running jobs")
     add.add_argument("--max-queued", type=int, default=None, help="the user's queued jobs")
     lst = sub.add_parser("list", help="users, their scopes, roots, quotas and token ids")
@@ -110,31 +114,43 @@ def token_main(argv: list[str]) -> None:
             scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
             bad = [s for s in scopes if s not in SCOPES]
             if bad or not scopes:
-                _fail(f"unknown scope(s) {', '.join(bad) or '(none given)'}; choose from "
-                      f"{', '.join(SCOPES)}")  # fmt: skip
+                _fail(
+                    f"unknown scope(s) {', '.join(bad) or '(none given)'}; choose from "
+                    f"{', '.join(SCOPES)}"
+                )
             roots = [r.strip() for r in args.roots.split(",") if r.strip()] if args.roots else None
             for what, v in (("--max-running", args.max_running), ("--max-queued", args.max_queued)):
                 if v is not None and v < 0:
                     _fail(f"{what} must be 0 or more")
-            token, token_id = auth.add_token(args.user, scopes, roots, args.max_running,
-                                             args.max_queued)  # fmt: skip
+            token, token_id = auth.add_token(
+                args.user, scopes, roots, args.max_running, args.max_queued
+            )
             sys.stderr.write(f"token {token_id} for {args.user} (shown once; store it now):\n")
             sys.stdout.write(token + "\n")
         elif args.action == "list":
             users = auth.load_raw()["users"]
-            rows = [{"user": name, "scopes": e["scopes"], "roots": e.get("roots"),
-                     "max_running": e.get("max_running"), "max_queued": e.get("max_queued"),
-                     "tokens": [{"id": t["id"], "created": t.get("created")} for t in e["tokens"]]}
-                    for name, e in sorted(users.items())]  # fmt: skip
+            rows = [
+                {
+                    "user": name,
+                    "scopes": e["scopes"],
+                    "roots": e.get("roots"),
+                    "max_running": e.get("max_running"),
+                    "max_queued": e.get("max_queued"),
+                    "tokens": [{"id": t["id"], "created": t.get("created")} for t in e["tokens"]],
+                }
+                for name, e in sorted(users.items())
+            ]
             if args.json:
                 sys.stdout.write(json.dumps(rows, indent=2) + "\n")
                 return
             for r in rows:
                 shown = ",".join(r["roots"]) if r["roots"] is not None else "(all roots)"
                 ids = ",".join(t["id"] for t in r["tokens"]) or "(no tokens)"
-                sys.stdout.write(f"{r['user']}\t{','.join(r['scopes'])}\t{shown}\t"
-                                 f"running={r['max_running']}\tqueued={r['max_queued']}\t"
-                                 f"tokens={ids}\n")  # fmt: skip
+                sys.stdout.write(
+                    f"{r['user']}\t{','.join(r['scopes'])}\t{shown}\t"
+                    f"running={r['max_running']}\tqueued={r['max_queued']}\t"
+                    f"tokens={ids}\n"
+                )
         else:
             try:
                 user = auth.revoke(args.token_id)
@@ -186,8 +202,10 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # a missing or malformed JWKS: say so, no traceback
             _fail(f"RESHARD_JWT_*: {e}")
     if not (settings.auth_file or settings.token or settings.jwt_issuer):
-        log.warning("RESHARD_TOKEN is empty and neither RESHARD_AUTH_FILE nor "
-                    "RESHARD_JWT_ISSUER is set: every API call will be refused")  # fmt: skip
+        log.warning(
+            "RESHARD_TOKEN is empty and neither RESHARD_AUTH_FILE nor "
+            "RESHARD_JWT_ISSUER is set: every API call will be refused"
+        )
     if not settings.roots:
         log.warning(
             "RESHARD_ROOTS is empty: every job will be refused; set the comma-separated "

@@ -189,9 +189,11 @@ class PlanCreate(ConvertOptions):
         str, Field(min_length=1, max_length=4096, description="checkpoint URI to read")
     ]
     world: StrictInt | None = Field(
-        default=None, ge=1, le=65536,
+        default=None,
+        ge=1,
+        le=65536,
         description="workers to plan for (default: the mesh's size with load, else workers)",
-    )  # fmt: skip
+    )
     load: StrictBool = Field(default=False, description="size a load on the mesh's ranks")
 
     @model_validator(mode="after")
@@ -221,9 +223,12 @@ class WatchCreate(ConvertOptions):
     ]
     target: Annotated[
         str,
-        Field(min_length=1, max_length=4096,
-              description="where each step goes; holds {step}, e.g. s3://exports/hf-{step}"),
-    ]  # fmt: skip
+        Field(
+            min_length=1,
+            max_length=4096,
+            description="where each step goes; holds {step}, e.g. s3://exports/hf-{step}",
+        ),
+    ]
     every: StrictInt = Field(default=1, ge=1, le=10**12, description="only steps divisible by it")
     existing: StrictBool = Field(
         default=False,

@@ -61,8 +61,9 @@ def step_folders(root: str) -> dict[int, str]:
             seen.setdefault(int(m.group(1)), []).append(name)
     for step, names in seen.items():
         if len(names) > 1:
-            logger.warning("%s: step %d has %d folders (%s): skipped", root, step, len(names),
-                           ", ".join(names))  # fmt: skip
+            logger.warning(
+                "%s: step %d has %d folders (%s): skipped", root, step, len(names), ", ".join(names)
+            )
     return {step: names[0] for step, names in seen.items() if len(names) == 1}
 
 
@@ -121,8 +122,9 @@ class Watcher(Ticker):
             try:
                 self.scan(watch)
             except Exception as e:  # the root unreadable, storage down: next scan retries
-                logger.warning("watch %s: scanning %s failed: %s", watch.id,
-                               watch.spec.get("root"), e)  # fmt: skip
+                logger.warning(
+                    "watch %s: scanning %s failed: %s", watch.id, watch.spec.get("root"), e
+                )
                 self.store.update_watch(
                     watch.id, error=f"{type(e).__name__}: {e}", last_scan_at=time.time()
                 )
@@ -161,13 +163,28 @@ def public_fields(watch: WatchRow, store: JobStore) -> dict[str, Any]:
 
     spec = WatchCreate(**watch.spec)
     steps = [
-        {"step": s.step, "source": s.source, "outcome": s.outcome, "job_id": s.job_id,
-         "detail": s.detail, "at": ts(s.at)}
+        {
+            "step": s.step,
+            "source": s.source,
+            "outcome": s.outcome,
+            "job_id": s.job_id,
+            "detail": s.detail,
+            "at": ts(s.at),
+        }
         for s in store.watch_steps(watch.id, limit=100)
-    ]  # fmt: skip
+    ]
     return {
-        "id": watch.id, "owner": watch.owner, "state": watch.state, "spec": spec, "root": spec.root,
-        "target": spec.target, "every": spec.every, "submitted": store.count_submitted(watch.id),
-        "steps": steps, "error": watch.error, "created_at": ts(watch.created_at),
-        "last_scan_at": ts(watch.last_scan_at), "stopped_at": ts(watch.stopped_at),
-    }  # fmt: skip
+        "id": watch.id,
+        "owner": watch.owner,
+        "state": watch.state,
+        "spec": spec,
+        "root": spec.root,
+        "target": spec.target,
+        "every": spec.every,
+        "submitted": store.count_submitted(watch.id),
+        "steps": steps,
+        "error": watch.error,
+        "created_at": ts(watch.created_at),
+        "last_scan_at": ts(watch.last_scan_at),
+        "stopped_at": ts(watch.stopped_at),
+    }

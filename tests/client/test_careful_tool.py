@@ -24,18 +24,36 @@ def ckpt(tmp_path) -> str:
     """Weights, a norm, and an optimizer's 0-dim step counter (12345.0 is not a bf16)."""
     path = str(tmp_path / "ck")
     g = torch.Generator().manual_seed(0)
-    reshard_svc.save({"model": {"w": torch.randn(64, 32, generator=g),
-                                "norm.weight": torch.randn(32, generator=g)},
-                      "optim": {"step": torch.tensor(12345.0)},
-                      "ids": torch.arange(5)}, path)  # fmt: skip
+    reshard_svc.save(
+        {
+            "model": {
+                "w": torch.randn(64, 32, generator=g),
+                "norm.weight": torch.randn(32, generator=g),
+            },
+            "optim": {"step": torch.tensor(12345.0)},
+            "ids": torch.arange(5),
+        },
+        path,
+    )
     return path
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_cast_never_rounds_scalars_and_keeps_what_it_is_told(ckpt, tmp_path, workers):
     out = str(tmp_path / "bf16")
-    r = reshard("convert", ckpt, out, "--mesh", "tp=2", "--dtype", "bf16",
-                "--keep-dtype", "*norm*", "--workers", workers)  # fmt: skip
+    r = reshard(
+        "convert",
+        ckpt,
+        out,
+        "--mesh",
+        "tp=2",
+        "--dtype",
+        "bf16",
+        "--keep-dtype",
+        "*norm*",
+        "--workers",
+        workers,
+    )
     assert r.returncode == 0, r.stderr
     assert "1 cast, 2 kept their dtype" in r.stdout, r.stdout
     index = reshard_svc.inspect(out)
@@ -83,8 +101,21 @@ def test_on_a_terminal_one_worker_drives_the_bar(ckpt, tmp_path):
     out = str(tmp_path / "tty")
     pid, fd = pty.fork()
     if pid == 0:  # the child: the CLI, on the terminal
-        os.execv(sys.executable, [sys.executable, "-m", "reshard_client.cli", "convert", ckpt,
-                                  out, "--mesh", "tp=2", "--max-memory", "2KiB"])  # fmt: skip
+        os.execv(
+            sys.executable,
+            [
+                sys.executable,
+                "-m",
+                "reshard_client.cli",
+                "convert",
+                ckpt,
+                out,
+                "--mesh",
+                "tp=2",
+                "--max-memory",
+                "2KiB",
+            ],
+        )
     chunks = []
     while True:
         try:
@@ -114,16 +145,18 @@ def test_small_frictions_of_the_local_commands(ckpt, tmp_path):
     assert r.returncode == 2 and "TargetExistsError" in r.stderr
     assert "worker logs" not in r.stderr  # refused before any worker started
     for cmd in (["reshard", "--version"], ["reshard-server", "--version"]):
-        v = subprocess.run([str(Path(sys.executable).parent / cmd[0]), *cmd[1:]],
-                           capture_output=True, text=True)  # fmt: skip
+        v = subprocess.run(
+            [str(Path(sys.executable).parent / cmd[0]), *cmd[1:]], capture_output=True, text=True
+        )
         assert v.returncode == 0 and reshard_svc.__version__ in v.stdout, v
 
 
 def test_server_help_names_every_setting():
     from reshard_server.config import Settings
 
-    r = subprocess.run([sys.executable, "-m", "reshard_server.main", "--help"],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "reshard_server.main", "--help"], capture_output=True, text=True
+    )
     assert r.returncode == 0
     for name in Settings.model_fields:
         assert f"RESHARD_{name.upper()}" in r.stdout, name

@@ -116,8 +116,9 @@ def test_hf_export_of_the_model_only(tmp_path):
     src = str(tmp_path / "train")
     reshard_svc.save({"model": model, "optim": optim, "step": 5}, src)
     hf = str(tmp_path / "hf")
-    r = reshard("convert", src, hf, "--format", "hf", "--only", "model.*",
-                "--strip-prefix", "model.")  # fmt: skip
+    r = reshard(
+        "convert", src, hf, "--format", "hf", "--only", "model.*", "--strip-prefix", "model."
+    )
     assert r.returncode == 0, r.stderr
     with open(os.path.join(hf, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
@@ -154,8 +155,11 @@ def _workers_of(launcher: int) -> list[int]:
                 return True
         return False
 
-    return [p for p, cmd in cmds.items() if b"reshard_svc.worker" in cmd
-            and b"torch.distributed.run" not in cmd and descends(p)]  # fmt: skip
+    return [
+        p
+        for p, cmd in cmds.items()
+        if b"reshard_svc.worker" in cmd and b"torch.distributed.run" not in cmd and descends(p)
+    ]
 
 
 def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
@@ -171,14 +175,30 @@ def test_ctrl_c_prints_one_line_and_commits_nothing(tmp_path):
     scratch = tmp_path.parent / (tmp_path.name + "-tmp")  # the CLI's TMPDIR: worker logs
     scratch.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "reshard_client.cli", "convert", src, str(dst), "--mesh", "tp=2",
-         "--rules", '{"*": "S(0)"}', "--workers", "2", "--max-memory", "64KiB"],
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "reshard_client.cli",
+            "convert",
+            src,
+            str(dst),
+            "--mesh",
+            "tp=2",
+            "--rules",
+            '{"*": "S(0)"}',
+            "--workers",
+            "2",
+            "--max-memory",
+            "64KiB",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "TMPDIR": str(scratch)},
         # as from a terminal: a runner that started us in the background (SIGINT ignored,
         # which children inherit) must not turn Ctrl-C into a no-op for the CLI
         preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
-    )  # fmt: skip
+    )
     # Interrupt once the workers run (a Ctrl-C while the interpreter is still importing
     # is Python's own business), however slow this machine is at the moment.
     deadline = time.monotonic() + 60
@@ -215,8 +235,17 @@ def test_warnings_name_what_to_fix(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     save_file({"w": torch.randn(16, 64)}, str(hf / "model.safetensors"))
-    r = reshard("convert", str(hf), str(tmp_path / "out"), "--mesh", "tp=2",
-                "--max-memory", "16", "--workers", "2")  # fmt: skip
+    r = reshard(
+        "convert",
+        str(hf),
+        str(tmp_path / "out"),
+        "--mesh",
+        "tp=2",
+        "--max-memory",
+        "16",
+        "--workers",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stderr.split())
     assert text.count("cannot be met") == 1, r.stderr  # said once, not once per rank
@@ -278,8 +307,14 @@ def test_inspect_layout_draws_each_box_with_its_holders(tmp_path):
 
     plain = str(tmp_path / "plain")
     g = torch.Generator().manual_seed(0)
-    reshard_svc.save({"w": torch.randn(12, 40, generator=g), "n": torch.randn(40, generator=g),
-                      "e": torch.randn(4, 6, 8, generator=g)}, plain)  # fmt: skip
+    reshard_svc.save(
+        {
+            "w": torch.randn(12, 40, generator=g),
+            "n": torch.randn(40, generator=g),
+            "e": torch.randn(4, 6, 8, generator=g),
+        },
+        plain,
+    )
     rules = {"w": "S(0),S(1),R", "n": "R,S(0),R", "e": "S(2),R,S(0)"}
     ck = str(tmp_path / "3d")
     reshard_svc.convert(plain, ck, mesh="pp=2,dp=2,tp=2", rules=rules)
@@ -294,8 +329,12 @@ def test_inspect_layout_draws_each_box_with_its_holders(tmp_path):
         for it in want:
             b = got[(it.box.offsets, it.box.sizes)]
             assert b["holders"] == list(it.holders)
-            assert b["coords"][0] == dict(zip(("pp", "dp", "tp"),
-                                             Layout.parse("pp=2,dp=2,tp=2", "R,R,R").mesh.coordinate(it.holders[0])))  # fmt: skip
+            assert b["coords"][0] == dict(
+                zip(
+                    ("pp", "dp", "tp"),
+                    Layout.parse("pp=2,dp=2,tp=2", "R,R,R").mesh.coordinate(it.holders[0]),
+                )
+            )
         cells = {k for row in pic["grid"] for k in row}
         assert -1 not in cells and cells <= set(range(len(pic["boxes"])))
     drawn = reshard("inspect", ck, "--layout", "n")

@@ -16,8 +16,10 @@ def test_demo_runs_end_to_end_and_keeps_its_checkpoints(tmp_path):
     for _ in range(2):  # a second run clears only what the first one made
         r = subprocess.run(
             [sys.executable, "-m", "reshard_client.demo", "--dir", str(folder)],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "bitwise equal to the originals: yes" in r.stdout
         assert "succeeded" in r.stdout

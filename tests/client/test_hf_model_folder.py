@@ -20,9 +20,14 @@ def hf_model(tmp_path_factory):
     """A tiny Llama saved by transformers itself (safetensors + config.json)."""
     folder = tmp_path_factory.mktemp("llama") / "hf"
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(folder)
@@ -37,8 +42,15 @@ def loaded(folder) -> dict[str, torch.Tensor]:
 def test_hf_source_exports_with_its_config_and_loads_in_transformers(hf_model, tmp_path):
     src, want = hf_model
     tp2 = tmp_path / "tp2"
-    r = reshard("convert", str(src), str(tp2), "--mesh", "tp=2", "--rules",
-                json.dumps({"*proj.weight": "S(0)", "*": "R"}))  # fmt: skip
+    r = reshard(
+        "convert",
+        str(src),
+        str(tp2),
+        "--mesh",
+        "tp=2",
+        "--rules",
+        json.dumps({"*proj.weight": "S(0)", "*": "R"}),
+    )
     assert r.returncode == 0, r.stderr
     out = tmp_path / "out"
     r = reshard("convert", str(src), str(out), "--format", "hf")
@@ -75,8 +87,9 @@ def test_export_into_a_model_folder_keeps_its_files_and_replaces_weights_only_on
     assert "Traceback" not in r.stderr
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
     # with --overwrite: only the weights and the indexes are replaced
-    r = reshard("convert", str(ckpt), str(folder), "--format", "hf", "--dtype", "bf16",
-                "--overwrite")  # fmt: skip
+    r = reshard(
+        "convert", str(ckpt), str(folder), "--format", "hf", "--dtype", "bf16", "--overwrite"
+    )
     assert r.returncode == 0, r.stderr
     assert (folder / "config.json").read_text() == config
     assert (folder / "tokenizer.json").read_text() == '{"version": "1.0"}'
@@ -85,9 +98,15 @@ def test_export_into_a_model_folder_keeps_its_files_and_replaces_weights_only_on
     weights = {n for n in os.listdir(folder) if n.endswith(".safetensors")}
     assert weights == set(index["files"])
     assert sorted(os.listdir(folder)) == sorted(
-        {*weights, "reshard.index.json", "model.safetensors.index.json", "config.json",
-         "tokenizer.json", "README.md"}
-    )  # fmt: skip
+        {
+            *weights,
+            "reshard.index.json",
+            "model.safetensors.index.json",
+            "config.json",
+            "tokenizer.json",
+            "README.md",
+        }
+    )
     got = loaded(folder)
     assert all(torch.equal(got[k].to(torch.bfloat16), want[k].to(torch.bfloat16)) for k in want)
 

@@ -67,12 +67,29 @@ def assert_holds(dst: str, sd: dict) -> None:
 
 def _launch(src: str, dst: str, tag: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "reshard_client.cli", "convert", src, dst, "--mesh", "tp=2",
-         "--rules", "{\"*\": \"S(0)\"}", "--workers", "2", "--max-memory", "256KiB",
-         "--strategy", "exchange"],
-        env={**os.environ, MARK: tag}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "reshard_client.cli",
+            "convert",
+            src,
+            dst,
+            "--mesh",
+            "tp=2",
+            "--rules",
+            '{"*": "S(0)"}',
+            "--workers",
+            "2",
+            "--max-memory",
+            "256KiB",
+            "--strategy",
+            "exchange",
+        ],
+        env={**os.environ, MARK: tag},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def kill_at_random_points(root: str, points: int, seed: int) -> None:

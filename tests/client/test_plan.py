@@ -41,8 +41,18 @@ def test_the_dry_run_says_what_the_workers_then_do(tmp_path):
 
 def test_a_load_on_4096_ranks_plans_here_with_its_replicas_fed_once(tmp_path):
     src = checkpoint(tmp_path)
-    r = reshard("plan", src, "--mesh", "tp=4096", "--rules", '{"w": "S(0)", "norm": "R"}',
-                "--load", "--strategy", "exchange", "--json")  # fmt: skip
+    r = reshard(
+        "plan",
+        src,
+        "--mesh",
+        "tp=4096",
+        "--rules",
+        '{"w": "S(0)", "norm": "R"}',
+        "--load",
+        "--strategy",
+        "exchange",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["mode"] == "load" and got["world"] == 4096

@@ -28,10 +28,19 @@ def readme_code(marker: str) -> str:
 def torchrun(script: Path, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:
     """Run a README script under torchrun on ``nproc`` gloo ranks; it must exit 0."""
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)],
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(script),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return r
 

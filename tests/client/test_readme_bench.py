@@ -36,8 +36,18 @@ def smoke_flags(script: str, scratch: Path) -> list[str]:
     if script == "bench/transfer.py":
         return ["--size", "small", "--runs", "1"]
     if script == "bench/save_load.py":  # the variants and the other loads: the same code
-        return ["--size", "small", "--runs", "1", "--variants", "defaults", "--ops", "save,tp",
-                "--dir", str(scratch)]  # fmt: skip
+        return [
+            "--size",
+            "small",
+            "--runs",
+            "1",
+            "--variants",
+            "defaults",
+            "--ops",
+            "save,tp",
+            "--dir",
+            str(scratch),
+        ]
     if script == "bench/convert.py":
         return ["--size", "small", "--runs", "1", "--variants", "defaults", "--dir", str(scratch)]
     if script == "bench/cli_convert.py":
@@ -50,8 +60,14 @@ CMDS = bench_commands()
 
 def test_readme_lists_the_benches():
     scripts = {c[1] for c in CMDS}
-    assert {"bench/plan.py", "bench/save_load.py", "bench/convert.py", "bench/cli_convert.py",
-            "bench/async_save.py", "bench/transfer.py"} <= scripts, scripts  # fmt: skip
+    assert {
+        "bench/plan.py",
+        "bench/save_load.py",
+        "bench/convert.py",
+        "bench/cli_convert.py",
+        "bench/async_save.py",
+        "bench/transfer.py",
+    } <= scripts, scripts
 
 
 @pytest.mark.parametrize("cmd", CMDS, ids=[c[1] for c in CMDS])
@@ -68,6 +84,11 @@ def test_readme_bench_command_prints_json(cmd, tmp_path):
     assert all(line["bench"] == name for line in lines), lines
     summary = lines[-1]
     # each bench reports against a baseline measured in the same run
-    assert any(k.endswith(("_over_dcp", "_over_cp", "_vs_torch_all_ranks")) or "over_dcp" in k
-               or "dcp_" in k or k.startswith("gen1_over_ours") for k in summary), summary  # fmt: skip
+    assert any(
+        k.endswith(("_over_dcp", "_over_cp", "_vs_torch_all_ranks"))
+        or "over_dcp" in k
+        or "dcp_" in k
+        or k.startswith("gen1_over_ours")
+        for k in summary
+    ), summary
     assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())

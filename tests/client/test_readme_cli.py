@@ -51,8 +51,9 @@ def test_readme_cli_commands(tmp_path):
         "optim.state.embed.exp_avg": torch.randn(64, 32, generator=g),
     }
     reshard_svc.save(sd, str(tmp_path / "plain"))
-    reshard_svc.convert(str(tmp_path / "plain"), str(tmp_path / "ckpt-tp8"), mesh="tp=8",
-                        rules={"*": "S(0)"})  # fmt: skip
+    reshard_svc.convert(
+        str(tmp_path / "plain"), str(tmp_path / "ckpt-tp8"), mesh="tp=8", rules={"*": "S(0)"}
+    )
     (tmp_path / "rules.yaml").write_text(section("rules", "yaml"))
     cmds = commands()
     assert len(cmds) >= 8
@@ -81,8 +82,9 @@ def test_readme_python_section(s3, tmp_path, monkeypatch):
     model_sd = {"w": torch.randn(16, 8, generator=g)}
     optim_sd = {"state": {"w": {"exp_avg": torch.randn(16, 8, generator=g)}}}
     reshard_svc.save({"w": torch.randn(32, 8, generator=g)}, str(tmp_path / "plain"))
-    reshard_svc.convert(str(tmp_path / "plain"), str(tmp_path / "ckpt-tp8"), mesh="tp=8",
-                        rules={"*": "S(0)"})  # fmt: skip
+    reshard_svc.convert(
+        str(tmp_path / "plain"), str(tmp_path / "ckpt-tp8"), mesh="tp=8", rules={"*": "S(0)"}
+    )
     monkeypatch.chdir(tmp_path)
     scope = {"model_sd": model_sd, "optim_sd": optim_sd}
     expected = {k: v.clone() for k, v in model_sd.items()}

@@ -66,8 +66,9 @@ def test_torch_checkpointing_inspect_verify_convert_load(titan, tmp_path):
 
     # to our format at TP=3 (2 workers), then loaded at a third layout on real workers
     nat = str(tmp_path / "tp3")
-    r = reshard("convert", src, nat, "--mesh", "tp=3", "--rules", '{"model.*": "S(0)"}',
-                "--workers", "2")  # fmt: skip
+    r = reshard(
+        "convert", src, nat, "--mesh", "tp=3", "--rules", '{"model.*": "S(0)"}', "--workers", "2"
+    )
     assert r.returncode == 0, r.stderr
     assert run(fw.load_and_compare, 2, nat, ref_file) == {0: [], 1: []}
     assert reshard_svc.verify(nat).ok
@@ -78,9 +79,21 @@ def test_torch_checkpointing_inspect_verify_convert_load(titan, tmp_path):
 
     # to HF, with torchtitan-ish names renamed to HF ones
     hf = str(tmp_path / "hf")
-    r = reshard("convert", src, hf, "--format", "hf", "--only", "model.*",
-                "--rename", "model.tok_embeddings.weight=model.embed_tokens.weight",
-                "--rename", "model.output.weight=model.lm_head.weight", "--strip-prefix", "model.")  # fmt: skip
+    r = reshard(
+        "convert",
+        src,
+        hf,
+        "--format",
+        "hf",
+        "--only",
+        "model.*",
+        "--rename",
+        "model.tok_embeddings.weight=model.embed_tokens.weight",
+        "--rename",
+        "model.output.weight=model.lm_head.weight",
+        "--strip-prefix",
+        "model.",
+    )
     assert r.returncode == 0, r.stderr
     out: dict[str, torch.Tensor] = {}
     for f in os.listdir(hf):
@@ -122,16 +135,28 @@ def test_megatron_inspect_split_layers_convert_load(megatron, tmp_path):
 
     # --split-layers: one tensor per layer (and per expert), renamed, to HF
     hf = str(tmp_path / "hf")
-    r = reshard("convert", src, hf, "--format", "hf", "--split-layers",
-                "--rename", "decoder.layers.*.self_attention.linear_qkv.weight="
-                            "model.layers.*.self_attn.qkv_proj.weight")  # fmt: skip
+    r = reshard(
+        "convert",
+        src,
+        hf,
+        "--format",
+        "hf",
+        "--split-layers",
+        "--rename",
+        "decoder.layers.*.self_attention.linear_qkv.weight="
+        "model.layers.*.self_attn.qkv_proj.weight",
+    )
     assert r.returncode == 0, r.stderr
     out = load_file(os.path.join(hf, "model-00001-of-00001.safetensors"))
     for layer in range(fw.LAYERS):
-        assert torch.equal(out[f"model.layers.{layer}.self_attn.qkv_proj.weight"],
-                           ref["decoder.layers.self_attention.linear_qkv.weight"][layer])  # fmt: skip
-        assert torch.equal(out[f"decoder.layers.{layer}.input_layernorm.weight"],
-                           ref["decoder.layers.input_layernorm.weight"][layer])  # fmt: skip
+        assert torch.equal(
+            out[f"model.layers.{layer}.self_attn.qkv_proj.weight"],
+            ref["decoder.layers.self_attention.linear_qkv.weight"][layer],
+        )
+        assert torch.equal(
+            out[f"decoder.layers.{layer}.input_layernorm.weight"],
+            ref["decoder.layers.input_layernorm.weight"][layer],
+        )
         for e in range(4):
             assert torch.equal(
                 out[f"decoder.layers.{layer}.mlp.experts.experts.{e}.linear_fc1.weight"],
@@ -227,8 +252,13 @@ def test_corrupted_bytes_fail_verify_and_rank_files_without_metadata_are_named(t
     with open(path, "r+b") as f:
         f.seek(info.header_offset + 26)
         head = f.read(4)
-        f.seek(info.header_offset + 30 + int.from_bytes(head[:2], "little")
-               + int.from_bytes(head[2:], "little") + 8)  # fmt: skip
+        f.seek(
+            info.header_offset
+            + 30
+            + int.from_bytes(head[:2], "little")
+            + int.from_bytes(head[2:], "little")
+            + 8
+        )
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
@@ -247,9 +277,12 @@ def test_converting_a_torch_checkpointing_save_keeps_the_memory_budget(tmp_path)
     run(fw.write_torch_checkpointing_big, 2, src, 160)  # 160 MiB: each worker writes 80
     budget = 8 * 2**20
     res = run(
-        workloads.convert_stage, 2, src, str(tmp_path / "dst"),
+        workloads.convert_stage,
+        2,
+        src,
+        str(tmp_path / "dst"),
         {"mesh": "tp=2", "rules": {"*": "S(1)"}, "max_memory": budget, "strategy": "exchange"},
-    )  # fmt: skip
+    )
     for r in res.values():
         # as for our own and DCP sources (test_convert_limits): twice the budget plus a
         # fixed overhead, far below the 80 MiB each worker writes
@@ -288,10 +321,14 @@ def test_readme_bridge_commands(megatron, tmp_path):
     ref = load_file(megatron[1])
     out = load_file(str(tmp_path / "megatron-hf" / "model-00001-of-00001.safetensors"))
     assert torch.equal(out["model.norm.weight"], ref["decoder.final_layernorm.weight"])
-    assert torch.equal(out["model.layers.1.mlp.experts.3.gate_up_proj.weight"],
-                       ref["decoder.layers.mlp.experts.experts.linear_fc1.weight"][1, 3])  # fmt: skip
-    assert torch.equal(out["model.layers.0.self_attn.o_proj.weight"],
-                       ref["decoder.layers.self_attention.linear_proj.weight"][0])  # fmt: skip
+    assert torch.equal(
+        out["model.layers.1.mlp.experts.3.gate_up_proj.weight"],
+        ref["decoder.layers.mlp.experts.experts.linear_fc1.weight"][1, 3],
+    )
+    assert torch.equal(
+        out["model.layers.0.self_attn.o_proj.weight"],
+        ref["decoder.layers.self_attention.linear_proj.weight"][0],
+    )
     titan_ref = load_file(str(tmp_path / "t.st"))
     hf = load_file(str(tmp_path / "titan-hf" / "model-00001-of-00001.safetensors"))
     assert torch.equal(hf["embed_tokens.weight"], titan_ref["model.tok_embeddings.weight"])
@@ -314,8 +351,17 @@ def test_a_torch_checkpointing_save_on_s3_converts_with_ranged_reads(tmp_path, s
     fs.put(src, f"{s3}/titan", recursive=True)
     report = reshard_svc.verify(f"{s3}/titan")
     assert report.ok and report.complete, report
-    r = reshard("convert", f"{s3}/titan", f"{s3}/titan-tp2", "--mesh", "tp=2", "--rules",
-                '{"*norm*": "R", "model.*": "S(1)"}', "--workers", "2")  # fmt: skip
+    r = reshard(
+        "convert",
+        f"{s3}/titan",
+        f"{s3}/titan-tp2",
+        "--mesh",
+        "tp=2",
+        "--rules",
+        '{"*norm*": "R", "model.*": "S(1)"}',
+        "--workers",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert run(fw.load_and_compare, 2, f"{s3}/titan-tp2", ref) == {0: [], 1: []}
 

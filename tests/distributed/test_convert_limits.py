@@ -36,9 +36,17 @@ def test_peak_memory_follows_the_budget_not_the_checkpoint(tmp_path):
     sd = big_source(src, 160)  # 160 MiB checkpoint: each worker writes 80 MiB
     budget = 8 * MiB
     res = run(
-        workloads.convert_stage, 2, src, str(tmp_path / "dst"),
-        {"mesh": "tp=2", "rules": {"w0": "S(0)", "*": "S(1)"}, "max_memory": budget, "strategy": "exchange"},
-    )  # fmt: skip
+        workloads.convert_stage,
+        2,
+        src,
+        str(tmp_path / "dst"),
+        {
+            "mesh": "tp=2",
+            "rules": {"w0": "S(0)", "*": "S(1)"},
+            "max_memory": budget,
+            "strategy": "exchange",
+        },
+    )
     for r in res.values():
         growth = r["peak_rss_mb"] - r["rss_before_mb"]
         # Twice the budget (the peak counts the page-cache pages of the verified source
@@ -56,11 +64,27 @@ def test_killed_worker_leaves_no_target_and_rerun_succeeds(tmp_path):
     dst = str(tmp_path / "dst")
     progress = str(tmp_path / "progress.jsonl")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "reshard_svc.worker", "convert", src, dst, "--mesh", "tp=2",
-        "--rules", json.dumps({"*": "S(1)"}), "--max-memory", "256KiB", "--strategy", "exchange",
-        "--progress-file", progress,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "reshard_svc.worker",
+        "convert",
+        src,
+        dst,
+        "--mesh",
+        "tp=2",
+        "--rules",
+        json.dumps({"*": "S(1)"}),
+        "--max-memory",
+        "256KiB",
+        "--strategy",
+        "exchange",
+        "--progress-file",
+        progress,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (os.path.exists(progress) and os.path.getsize(progress)):

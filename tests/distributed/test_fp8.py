@@ -42,12 +42,13 @@ def fp8_state() -> dict[str, torch.Tensor]:
         "model.layers.0.self_attn.o_proj.weight_scale_inv": scale(1, 3),
         "model.layers.0.mlp.experts.w": e4m3(3, 130, 64),
         "model.layers.0.mlp.experts.w_scale_inv": scale(3, 2, 1),
-        "model.layers.0.mlp.gate.e5m2": torch.randint(0, 256, (16, 8), generator=g,
-                                                      dtype=torch.uint8).view(E5M2),
+        "model.layers.0.mlp.gate.e5m2": torch.randint(
+            0, 256, (16, 8), generator=g, dtype=torch.uint8
+        ).view(E5M2),
         "model.layers.0.mlp.gate.e5m2_scale_inv": scale(1, 1),
         "model.norm.weight": torch.randn(260, generator=g),
         "model.embed_tokens.weight": torch.randn(64, 260, generator=g),
-    }  # fmt: skip
+    }
 
 
 def reference_dequant(w: torch.Tensor, s: torch.Tensor, out: torch.dtype) -> torch.Tensor:
@@ -77,8 +78,19 @@ def sources(tmp_path_factory):
 def test_dtype_keeps_fp8_and_scales_bitwise(sources, kind, tmp_path):
     sd, src = sources
     dst = str(tmp_path / "hf")
-    r = reshard("convert", src[kind], dst, "--format", "hf", "--dtype", "bf16", "--workers", "2",
-                "--max-memory", "64KiB")  # fmt: skip
+    r = reshard(
+        "convert",
+        src[kind],
+        dst,
+        "--format",
+        "hf",
+        "--dtype",
+        "bf16",
+        "--workers",
+        "2",
+        "--max-memory",
+        "64KiB",
+    )
     assert r.returncode == 0, r.stderr
     assert "2 cast, 8 kept their dtype" in " ".join(r.stdout.split())
     got = load_file(f"{dst}/model-00001-of-00001.safetensors")
@@ -94,8 +106,22 @@ def test_dequantize_matches_the_reference(sources, kind, out, tmp_path):
     sd, src = sources
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[out]
     dst = str(tmp_path / "hf")
-    r = reshard("convert", src[kind], dst, "--format", "hf", "--dequantize", "fp8-block",
-                "--dtype", out, "--workers", "2", "--max-memory", "64KiB", "--json")  # fmt: skip
+    r = reshard(
+        "convert",
+        src[kind],
+        dst,
+        "--format",
+        "hf",
+        "--dequantize",
+        "fp8-block",
+        "--dtype",
+        out,
+        "--workers",
+        "2",
+        "--max-memory",
+        "64KiB",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["dequantized"] == 4
     got = load_file(f"{dst}/model-00001-of-00001.safetensors")
@@ -116,10 +142,21 @@ def test_dequantize_to_another_layout_from_column_shards(sources, tmp_path):
     """A Shard(1) target of a TP=2 source: every worker's bands need other columns' scales."""
     sd, src = sources
     dst = str(tmp_path / "tp2")
-    reshard_svc.convert(src["ours"], dst, mesh="tp=3", rules={"*proj.weight": "S(1)", "*experts.w": "S(2)", "*": "S(0)"},
-                        dequantize="fp8-block", max_memory=64 * 1024)  # fmt: skip
-    out = {n: torch.zeros(sd[n].shape, dtype=torch.bfloat16 if sd[n].dtype in (E4M3, E5M2)
-                          else sd[n].dtype) for n in sd if not n.endswith("_scale_inv")}  # fmt: skip
+    reshard_svc.convert(
+        src["ours"],
+        dst,
+        mesh="tp=3",
+        rules={"*proj.weight": "S(1)", "*experts.w": "S(2)", "*": "S(0)"},
+        dequantize="fp8-block",
+        max_memory=64 * 1024,
+    )
+    out = {
+        n: torch.zeros(
+            sd[n].shape, dtype=torch.bfloat16 if sd[n].dtype in (E4M3, E5M2) else sd[n].dtype
+        )
+        for n in sd
+        if not n.endswith("_scale_inv")
+    }
     reshard_svc.load(out, dst)
     for name, t in out.items():
         want = sd[name]
@@ -130,8 +167,14 @@ def test_dequantize_to_another_layout_from_column_shards(sources, tmp_path):
 
 def test_a_missing_or_mistiled_scale_is_named(tmp_path):
     src = str(tmp_path / "ck")
-    reshard_svc.save({"w": torch.zeros(256, 256).to(E4M3), "w_scale_inv": torch.ones(2, 3),
-                      "v": torch.zeros(8, 8).to(E4M3)}, src)  # fmt: skip
+    reshard_svc.save(
+        {
+            "w": torch.zeros(256, 256).to(E4M3),
+            "w_scale_inv": torch.ones(2, 3),
+            "v": torch.zeros(8, 8).to(E4M3),
+        },
+        src,
+    )
     r = reshard("convert", src, str(tmp_path / "o"), "--format", "hf", "--dequantize", "fp8-block")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "'v_scale_inv'" in r.stderr or "'w_scale_inv' has shape [2, 3]" in r.stderr

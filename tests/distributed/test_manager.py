@@ -52,9 +52,10 @@ def test_sigterm_saves_the_last_step_and_the_rerun_resumes_from_it(tmp_path):
     # every process of the job, as Slurm signals a step's tasks: the workers and any
     # background writer they forked (which leaves the signal to its trainer)
     procs = [
-        p for p in psutil.Process(launcher.pid).children(recursive=True)
+        p
+        for p in psutil.Process(launcher.pid).children(recursive=True)
         if "spawn_main" in " ".join(p.cmdline())
-    ]  # fmt: skip
+    ]
     assert len(procs) >= 2
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)

@@ -92,8 +92,11 @@ def cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN}
     return subprocess.run(
         [sys.executable, "-m", "reshard_client.cli", *args],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture

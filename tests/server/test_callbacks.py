@@ -34,8 +34,13 @@ def test_callback_tokens_are_per_job(make_server, tmp_path):
     assert env_a["RESHARD_CALLBACK_URL"] == f"{server.url}/v1/jobs/{a}/events"
     assert env_a["RESHARD_CALLBACK_TOKEN"] != env_b["RESHARD_CALLBACK_TOKEN"]
     assert "RESHARD_TOKEN" not in env_a  # workers never see the API token
-    event = {"event": "progress", "bytes_done": 1, "bytes_total": 2, "tensors_done": 0,
-             "tensors_total": 3}  # fmt: skip
+    event = {
+        "event": "progress",
+        "bytes_done": 1,
+        "bytes_total": 2,
+        "tensors_done": 0,
+        "tensors_total": 3,
+    }
 
     def post(job: str, token: str | None, body: object = event) -> int:
         headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -26,14 +26,31 @@ def test_relative_paths_are_resolved_by_the_cli_and_named_by_the_api(server, tmp
 
     data = tmp_path / "data"
     make_tp4(str(data / "tp4"), str(tmp_path / "scratch"), tensors(2))
-    r = httpx.post(server.url + "/v1/jobs", headers={"Authorization": f"Bearer {TOKEN}"},
-                   json={"source": "data/tp4", "target": str(data / "out")})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/jobs",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"source": "data/tp4", "target": str(data / "out")},
+    )
     assert r.status_code == 422 and "source 'data/tp4' is a relative path" in r.text
     r = subprocess.run(
-        [sys.executable, "-m", "reshard_client.cli", "submit", "data/tp4", "data/out",
-         "--mesh", "tp=2", "--wait", "--json"],
-        cwd=tmp_path, env=cli_env(server), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "reshard_client.cli",
+            "submit",
+            "data/tp4",
+            "data/out",
+            "--mesh",
+            "tp=2",
+            "--wait",
+            "--json",
+        ],
+        cwd=tmp_path,
+        env=cli_env(server),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert '"target": "' + str(data / "out") + '"' in r.stdout
     assert (data / "out" / "reshard.index.json").exists()
@@ -43,9 +60,12 @@ def test_ctrl_c_while_waiting_says_the_job_keeps_running(server, tmp_path):
     job_id, _ = slow_job(server, tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "reshard_client.cli", "wait", job_id],
-        env=cli_env(server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=cli_env(server),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     time.sleep(2)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)

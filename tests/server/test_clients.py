@@ -89,8 +89,7 @@ def test_mock_transport_sees_the_same_requests_from_both():
     sync_seen, seen[:] = list(seen), []
 
     async def go():
-        async with AsyncReshardClient("http://x", "t",
-                                      transport=httpx.MockTransport(handler)) as c:  # fmt: skip
+        async with AsyncReshardClient("http://x", "t", transport=httpx.MockTransport(handler)) as c:
             await c.list(state="failed", limit=5)
             await c.logs("j1", offset=3, tail=7)
 

@@ -25,8 +25,9 @@ def browser():
     if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
         pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium")
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                              args=["--no-sandbox", "--disable-gpu"])  # fmt: skip
+        b = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
         yield b
         b.close()
 
@@ -40,8 +41,11 @@ def test_dashboard_jobs_cancel_and_layout(browser, tmp_path, make_server):
     make_tp4(src, str(tmp_path / "scratch"), tensors(3))
     with server.client() as admin:
         done_id = admin.submit(job_spec(src, str(data / "tp2"))).id
-    waiting = httpx.post(f"{server.url}/v1/jobs", json=job_spec(src, str(data / "alice-tp2")),
-                         headers={"Authorization": f"Bearer {alice}"}).json()["id"]  # fmt: skip
+    waiting = httpx.post(
+        f"{server.url}/v1/jobs",
+        json=job_spec(src, str(data / "alice-tp2")),
+        headers={"Authorization": f"Bearer {alice}"},
+    ).json()["id"]
 
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.on("dialog", lambda d: d.accept())  # the cancel confirmation
@@ -95,8 +99,12 @@ def test_dashboard_jobs_cancel_and_layout(browser, tmp_path, make_server):
     r = httpx.get(f"{server.url}/ui")
     assert r.status_code == 200 and "script-src" not in r.text
     assert "default-src 'self'" in r.headers["content-security-policy"]
-    assert httpx.get(f"{server.url}/v1/checkpoints/layout", params={"uri": src, "tensor": "w"}
-                     ).status_code == 401  # fmt: skip
+    assert (
+        httpx.get(
+            f"{server.url}/v1/checkpoints/layout", params={"uri": src, "tensor": "w"}
+        ).status_code
+        == 401
+    )
 
     # the README's screenshot: the jobs page
     page.goto(f"{server.url}/ui#/jobs")

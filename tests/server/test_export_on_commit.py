@@ -16,9 +16,14 @@ transformers = pytest.importorskip("transformers")
 def llama():
     """A tiny Llama: its config (for the export folders) and its weights."""
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -36,8 +41,9 @@ def test_every_other_step_is_exported_once_and_held_until_its_export_ends(server
     data = tmp_path / "data"
     for step in (2, 4, 6):  # model folders waiting for their weights (config, tokenizer)
         config.save_pretrained(data / f"hf-{step}")
-    hook = ExportOnCommit(str(data / "hf-{step}"), every=2, spec={"format": "hf"},
-                          client=server.client())  # fmt: skip
+    hook = ExportOnCommit(
+        str(data / "hf-{step}"), every=2, spec={"format": "hf"}, client=server.client()
+    )
     with CheckpointManager(str(data / "run"), keep_last=1, on_commit=hook) as mgr:
         for step in range(1, 7):
             mgr.save(step, state(step, weights))

@@ -74,8 +74,18 @@ def slow_job(server, tmp_path, name: str = "slow", nodes: int = 1) -> tuple[str,
     )
     dst = str(data / f"{name}-dst")
     with server.client() as c:
-        job = c.submit({"source": src, "target": dst, "mesh": {"tp": 2}, "workers": 2, "nodes": nodes,
-                        "rules": {"w": "S(1)"}, "max_memory": "64KiB", "strategy": "exchange"})  # fmt: skip
+        job = c.submit(
+            {
+                "source": src,
+                "target": dst,
+                "mesh": {"tp": 2},
+                "workers": 2,
+                "nodes": nodes,
+                "rules": {"w": "S(1)"},
+                "max_memory": "64KiB",
+                "strategy": "exchange",
+            }
+        )
         deadline = time.monotonic() + 120
         while True:
             j = c.get(job.id)

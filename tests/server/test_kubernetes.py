@@ -29,9 +29,18 @@ pytest.importorskip("kubeflow_trainer_api")
 
 def launch(**spec) -> Launch:
     body = {"source": "s3://bkt/a", "target": "s3://bkt/b", "mesh": {"tp": 8}, **spec}
-    env = {"RESHARD_CALLBACK_URL": "http://reshard:8000/v1/jobs/j1/events",
-           "RESHARD_CALLBACK_TOKEN": "tok", "RESHARD_TOKEN": "admin"}  # fmt: skip
-    return Launch("j1", 2, ConvertSpec.from_json(body), env, Path("/nonexistent"))
+    env = {
+        "RESHARD_CALLBACK_URL": "http://reshard:8000/v1/jobs/j1/events",
+        "RESHARD_CALLBACK_TOKEN": "tok",
+        "RESHARD_TOKEN": "admin",
+    }
+    return Launch(
+        job_id="j1",
+        attempt=2,
+        spec=ConvertSpec.from_json(body),
+        env=env,
+        log_path=Path("/nonexistent"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -43,7 +52,7 @@ def launch(**spec) -> Launch:
             "k8s_gpus_per_node": 8,
             "k8s_service_account": "reshard-worker",
             "k8s_storage_secret": "s3-creds",
-        },  # fmt: skip
+        },
     ],
 )
 def test_trainjob_matches_the_trainer_schema(settings):
@@ -121,8 +130,15 @@ def test_two_node_trainjob_converts(make_server, k8s, tmp_path):
     make_tp4(str(data / "tp4"), str(tmp_path / "scratch"), sd)
     server = k8s_server(make_server, k8s, tmp_path)
     with server.client() as c:
-        job = c.submit({"source": str(data / "tp4"), "target": str(data / "out"),
-                        "mesh": {"tp": 2}, "nodes": 2, "workers_per_node": 1})  # fmt: skip
+        job = c.submit(
+            {
+                "source": str(data / "tp4"),
+                "target": str(data / "out"),
+                "mesh": {"tp": 2},
+                "nodes": 2,
+                "workers_per_node": 1,
+            }
+        )
         done = c.wait(job.id, timeout=240)
         logs = c.logs(job.id).text
         assert done.state.value == "succeeded", (done.error, logs)
@@ -150,8 +166,10 @@ def test_cancel_deletes_the_trainjob_and_stops_its_nodes(make_server, k8s, tmp_p
         c.cancel(job_id)
         final = c.wait(job_id, timeout=60)
     assert final.state.value == "cancelled", final.error
-    assert ("DELETE", f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml/trainjobs/"
-            f"reshard-{job_id}-1") in k8s.requests  # fmt: skip
+    assert (
+        "DELETE",
+        f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/ml/trainjobs/reshard-{job_id}-1",
+    ) in k8s.requests
     assert all(n.proc.poll() is not None for n in trainjob.nodes)
     # Foreground deletion: the object goes once its pods are reaped, a moment after they
     # exit (the stand-in's reaper thread), as on a real API server.
@@ -199,12 +217,12 @@ def test_readme_trainjob_is_valid_and_runs(k8s, tmp_path):
     body["spec"]["trainer"]["numProcPerNode"] = 1  # two cores here, not 8 GPUs ...
     body["spec"]["trainer"].pop("resourcesPerNode")  # ... which the stand-in's node lacks
     api = client.CustomObjectsApi(config.new_client_from_config(str(k8s.kubeconfig)))
-    api.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "ml", "trainjobs",
-                                        body)  # fmt: skip
+    api.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "ml", "trainjobs", body)
     deadline = time.monotonic() + 240
     while True:
-        obj = api.get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", "ml",
-                                               "trainjobs", "reshard-llama-tp4")  # fmt: skip
+        obj = api.get_namespaced_custom_object(
+            "trainer.kubeflow.org", "v1alpha1", "ml", "trainjobs", "reshard-llama-tp4"
+        )
         kinds = {c["type"] for c in obj["status"]["conditions"]}
         if kinds & {"Complete", "Failed"}:
             break

@@ -20,8 +20,11 @@ pytestmark = pytest.mark.distributed
 def second_server(env: dict[str, str], port: int) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "reshard_server.main", "--port", str(port)],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("same_port", [True, False])
@@ -42,8 +45,11 @@ def test_a_second_server_on_the_same_database_touches_nothing(make_server, tmp_p
 
 def test_a_port_clash_is_found_before_any_job_is_touched(make_server, tmp_path):
     first = make_server()
-    env = {**first.env, "RESHARD_DB": str(tmp_path / "other.db"),
-           "RESHARD_DATA_DIR": str(tmp_path / "other")}  # fmt: skip
+    env = {
+        **first.env,
+        "RESHARD_DB": str(tmp_path / "other.db"),
+        "RESHARD_DATA_DIR": str(tmp_path / "other"),
+    }
     r = second_server(env, first.port)
     assert r.returncode == 1 and "cannot listen on" in r.stderr and "--port" in r.stderr
     assert "Traceback" not in r.stderr
@@ -52,14 +58,21 @@ def test_a_port_clash_is_found_before_any_job_is_touched(make_server, tmp_path):
 
 def test_the_server_answers_healthz_within_two_seconds(tmp_path):
     port = free_port()
-    env = {"RESHARD_TOKEN": TOKEN, "RESHARD_ROOTS": str(tmp_path),
-           "RESHARD_DB": str(tmp_path / "jobs.db"), "RESHARD_DATA_DIR": str(tmp_path / "d")}  # fmt: skip
+    env = {
+        "RESHARD_TOKEN": TOKEN,
+        "RESHARD_ROOTS": str(tmp_path),
+        "RESHARD_DB": str(tmp_path / "jobs.db"),
+        "RESHARD_DATA_DIR": str(tmp_path / "d"),
+    }
     import os
 
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "reshard_server.main", "--port", str(port)],
-                            env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reshard_server.main", "--port", str(port)],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while True:
             try:
@@ -85,11 +98,22 @@ def test_slurm_keeps_a_job_pending_it_shows_queued_with_the_reason_then_fails(
 
     data = tmp_path / "data"
     make_tp4(str(data / "tp4"), str(tmp_path / "scratch"), tensors(1))
-    server = make_server(env={"SLURM_CONF": str(slurm.conf)}, launcher="slurm",
-                         slurm_log_dir=str(tmp_path / "slurm-logs"), pending_timeout_s="6")  # fmt: skip
+    server = make_server(
+        env={"SLURM_CONF": str(slurm.conf)},
+        launcher="slurm",
+        slurm_log_dir=str(tmp_path / "slurm-logs"),
+        pending_timeout_s="6",
+    )
     with server.client() as c:
-        job = c.submit({"source": str(data / "tp4"), "target": str(data / "out"),
-                        "mesh": {"tp": 2}, "nodes": 2, "workers_per_node": 1})  # fmt: skip
+        job = c.submit(
+            {
+                "source": str(data / "tp4"),
+                "target": str(data / "out"),
+                "mesh": {"tp": 2},
+                "nodes": 2,
+                "workers_per_node": 1,
+            }
+        )
         deadline = time.monotonic() + 60
         while not (seen := c.get(job.id)).reason:
             assert time.monotonic() < deadline, seen
@@ -98,8 +122,10 @@ def test_slurm_keeps_a_job_pending_it_shows_queued_with_the_reason_then_fails(
         slurm_id = seen.handle["slurm_job_id"]
         r = subprocess.run(
             [sys.executable, "-m", "reshard_client.cli", "status", job.id],
-            env={**server.env, "RESHARD_URL": server.url}, capture_output=True, text=True,
-        )  # fmt: skip
+            env={**server.env, "RESHARD_URL": server.url},
+            capture_output=True,
+            text=True,
+        )
         assert seen.reason in r.stdout, r.stdout
         final = c.wait(job.id, timeout=120)
     assert final.state.value == "failed"  # (Slurm may refine its reason meanwhile)
@@ -116,12 +142,22 @@ def test_kubernetes_unschedulable_pod_shows_queued_with_the_reason(make_server, 
 
     data = tmp_path / "data"
     make_tp4(str(data / "tp4"), str(tmp_path / "scratch"), tensors(1))
-    server = make_server(env={"KUBECONFIG": str(k8s.kubeconfig)}, launcher="kubernetes",
-                         k8s_image="reshard-svc:test", k8s_namespace="ml",
-                         k8s_gpus_per_node="8")  # more GPUs than the stand-in's node has  # fmt: skip
+    server = make_server(
+        env={"KUBECONFIG": str(k8s.kubeconfig)},
+        launcher="kubernetes",
+        k8s_image="reshard-svc:test",
+        k8s_namespace="ml",
+        k8s_gpus_per_node="8",
+    )  # more GPUs than the stand-in's node has
     with server.client() as c:
-        job = c.submit({"source": str(data / "tp4"), "target": str(data / "out"),
-                        "mesh": {"tp": 2}, "workers": 1})  # fmt: skip
+        job = c.submit(
+            {
+                "source": str(data / "tp4"),
+                "target": str(data / "out"),
+                "mesh": {"tp": 2},
+                "workers": 1,
+            }
+        )
         deadline = time.monotonic() + 60
         while not (seen := c.get(job.id)).reason:
             assert time.monotonic() < deadline, seen

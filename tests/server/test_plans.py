@@ -21,8 +21,12 @@ def test_the_server_plans_what_reshard_plan_plans(server, tmp_path):
     from reshard_svc.plan.spec import ConvertSpec
     from reshard_svc.runtime.dry_run import dry_run
 
-    here = dry_run(ConvertSpec(str(src), str(src) + ".x", mesh={"tp": 8},
-                               rules={"w": "S(0)", "n": "R"}).checked(), 4).to_json()  # fmt: skip
+    here = dry_run(
+        ConvertSpec(
+            source=str(src), target=str(src) + ".x", mesh={"tp": 8}, rules={"w": "S(0)", "n": "R"}
+        ).checked(),
+        4,
+    ).to_json()
     for key in ("strategy", "bytes_total", "read", "sent", "received", "peak_memory", "waves"):
         assert convert[key] == here[key], key
     assert load["mode"] == "load" and load["world"] == 8

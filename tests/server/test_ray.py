@@ -32,9 +32,16 @@ def test_two_node_conversion_on_ray_is_bitwise(make_server, ray_cluster, tmp_pat
     make_tp4(src, str(tmp_path / "scratch"), sd)
     server = ray_server(make_server, ray_cluster)
     with server.client() as c:
-        job = c.submit({"source": src, "target": str(data / "ray"), "mesh": {"dp": 2, "tp": 2},
-                        "rules": {"w": "S(0),S(1)", "o": "R,S(1)", "b": "R,R"}, "nodes": 2,
-                        "workers_per_node": 1})  # fmt: skip
+        job = c.submit(
+            {
+                "source": src,
+                "target": str(data / "ray"),
+                "mesh": {"dp": 2, "tp": 2},
+                "rules": {"w": "S(0),S(1)", "o": "R,S(1)", "b": "R,R"},
+                "nodes": 2,
+                "workers_per_node": 1,
+            }
+        )
         done = c.wait(job.id, timeout=240)
         logs = c.logs(job.id).text
         assert done.state.value == "succeeded", (done.error, logs)
@@ -56,9 +63,16 @@ def test_a_job_larger_than_the_cluster_waits_with_rays_reason_then_fails(
     make_tp4(src, str(tmp_path / "scratch"), sd)
     server = ray_server(make_server, ray_cluster, pending_timeout_s="6")
     with server.client() as c:
-        job = c.submit({"source": src, "target": str(tmp_path / "data" / "big"),
-                        "mesh": {"tp": 3}, "rules": {"b": "R"}, "nodes": 3,
-                        "workers_per_node": 1})  # fmt: skip
+        job = c.submit(
+            {
+                "source": src,
+                "target": str(tmp_path / "data" / "big"),
+                "mesh": {"tp": 3},
+                "rules": {"b": "R"},
+                "nodes": 3,
+                "workers_per_node": 1,
+            }
+        )
         deadline = time.monotonic() + 120
         while True:
             j = c.get(job.id)
@@ -117,10 +131,20 @@ def test_readme_ray_job_submit_runs_the_worker_without_a_server(ray_cluster, tmp
     sd = tensors(6)
     src, dst = tmp_path / "tp4", tmp_path / "tp2"
     make_tp4(str(src), str(tmp_path / "scratch"), sd)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.address, "SRC": str(src), "DST": str(dst),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}  # fmt: skip
-    r = subprocess.run(["bash", "-c", readme_block("ray-direct")], env=env, capture_output=True,
-                       text=True, timeout=240)  # fmt: skip
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": ray_cluster.address,
+        "SRC": str(src),
+        "DST": str(dst),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    }
+    r = subprocess.run(
+        ["bash", "-c", readme_block("ray-direct")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     assert "2 torchrun nodes" in r.stdout
     assert_holds(str(dst), sd)

@@ -60,18 +60,27 @@ def test_readme_control_plane(s3, tmp_path):
             "trap 'kill $SERVER' EXIT",
             f"for i in $(seq 150); do curl -sf localhost:{port}/healthz >/dev/null && break; sleep 0.2; done",
             adapt(block("curl", "bash")),
-            "echo \"curl job: $ID\"",
+            'echo "curl job: $ID"',
             f"export RESHARD_URL=http://localhost:{port}",
-            "python3 - <<'PY'\n" + adapt(block("client-python", "python")) + "print('python', done.state.value)\nPY",
+            "python3 - <<'PY'\n"
+            + adapt(block("client-python", "python"))
+            + "print('python', done.state.value)\nPY",
             *cli_lines,
         ]
-    )  # fmt: skip
+    )
     (tmp_path / "readme.sh").write_text(script)
     r = subprocess.run(
-        ["bash", str(tmp_path / "readme.sh")], cwd=tmp_path, capture_output=True, text=True,
-        timeout=600, env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"),
-                          "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
-    )  # fmt: skip
+        ["bash", str(tmp_path / "readme.sh")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "XDG_STATE_HOME": str(tmp_path / "state"),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        },
+    )
     log = (tmp_path / "server.log").read_text() if (tmp_path / "server.log").exists() else ""
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}\n{log[-2000:]}"
     assert "Traceback" not in r.stderr

@@ -40,12 +40,14 @@ def test_two_node_conversion_equals_local(make_server, slurm, tmp_path):
     data = tmp_path / "data"
     src = str(data / "tp4")
     make_tp4(src, str(tmp_path / "scratch"), sd)
-    spec = {"source": src, "mesh": {"dp": 2, "tp": 2},
-            "rules": {"w": "S(0),S(1)", "o": "R,S(1)", "b": "R,R"}}  # fmt: skip
+    spec = {
+        "source": src,
+        "mesh": {"dp": 2, "tp": 2},
+        "rules": {"w": "S(0),S(1)", "o": "R,S(1)", "b": "R,R"},
+    }
     server = slurm_server(make_server, slurm, tmp_path)
     with server.client() as c:
-        job = c.submit({**spec, "target": str(data / "slurm"), "nodes": 2,
-                        "workers_per_node": 1})  # fmt: skip
+        job = c.submit({**spec, "target": str(data / "slurm"), "nodes": 2, "workers_per_node": 1})
         seen = []
         done = c.wait(job.id, timeout=240, on_progress=seen.append)
         logs = c.logs(job.id).text
@@ -119,14 +121,23 @@ def test_readme_batch_script_runs_the_worker_without_a_server(slurm, tmp_path):
     make_tp4(str(src), str(tmp_path / "scratch"), sd)
     script = tmp_path / "reshard.sbatch"
     script.write_text(readme_block("slurm-direct"))
-    env = {**slurm.env, "SRC": str(src), "DST": str(dst), "GPUS_PER_NODE": "1",
-           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # fmt: skip
+    env = {
+        **slurm.env,
+        "SRC": str(src),
+        "DST": str(dst),
+        "GPUS_PER_NODE": "1",
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
     import subprocess
 
     r = subprocess.run(
         ["sbatch", "--wait", "--parsable", *TWO_TASKS_ONE_NODE.split(), str(script)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = next(tmp_path.glob("reshard-*.log"), None)
     assert r.returncode == 0, (r.stderr, log and log.read_text()[-3000:])
     assert_holds(str(dst), sd)
@@ -146,16 +157,20 @@ def test_readme_multi_node_submit(make_server, slurm, tmp_path):
     data = tmp_path / "data"
     make_tp4(str(data / "llama-tp8"), str(tmp_path / "scratch"), sd)
     line = readme_block("slurm-submit").replace("\\\n", " ")
-    line = line.replace("s3://checkpoints", str(data)).replace("--workers-per-node 8",
-                                                               "--workers-per-node 1")  # fmt: skip
+    line = line.replace("s3://checkpoints", str(data)).replace(
+        "--workers-per-node 8", "--workers-per-node 1"
+    )
     argv = shlex.split(line)
     assert argv[0] == "reshard" and "--nodes" in argv, argv
     server = slurm_server(make_server, slurm, tmp_path)
     env = {**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN}
     r = subprocess.run(
         [sys.executable, "-m", "reshard_client.cli", *argv[1:]],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert_holds(str(data / "llama-tp4"), sd)
@@ -199,8 +214,14 @@ def test_scancel_signal_term_ends_in_a_final_checkpoint_and_exit_0(slurm, tmp_pa
         f'srun {sys.executable} loop.py {root} "$STEPS" {ready}\n'
     )
     env = {**slurm.env, "STEPS": "100000"}
-    r = subprocess.run(["sbatch", "--parsable", *TWO_TASKS_ONE_NODE.split(), str(script)],
-                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        ["sbatch", "--parsable", *TWO_TASKS_ONE_NODE.split(), str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip().split(";")[0]
     deadline = time.time() + 240
@@ -220,9 +241,14 @@ def test_scancel_signal_term_ends_in_a_final_checkpoint_and_exit_0(slurm, tmp_pa
     assert (root / step_name(int(last)) / "reshard.index.json").exists()
     # the rerun resumes from it
     env["STEPS"] = "2"
-    r = subprocess.run(["sbatch", "--wait", "--parsable", *TWO_TASKS_ONE_NODE.split(),
-                        str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+    r = subprocess.run(
+        ["sbatch", "--wait", "--parsable", *TWO_TASKS_ONE_NODE.split(), str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     again = (tmp_path / f"job-{r.stdout.strip().split(';')[0]}.log").read_text()
     starts = {line.split()[1] for line in again.splitlines() if line.startswith("result ")}

@@ -20,8 +20,12 @@ def test_bare_start_warns_and_keeps_its_state_out_of_the_cwd(tmp_path):
     env["XDG_STATE_HOME"] = str(state)
     proc = subprocess.Popen(
         [sys.executable, "-m", "reshard_server.main", "--port", str(port)],
-        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

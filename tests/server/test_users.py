@@ -24,8 +24,10 @@ from tests.server.conftest import TOKEN, make_tp4, tensors
 def token_cli(auth: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "reshard_server.main", "token", "--auth-file", str(auth), *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def add_user(auth: Path, user: str, *args: str) -> str:
@@ -51,7 +53,7 @@ def users(tmp_path, make_server):
     tokens = {
         "alice": add_user(
             auth, "alice", "--roots", str(data / "alice"), "--max-queued", "2", "--max-running", "0"
-        ),  # fmt: skip
+        ),
         "bob": add_user(auth, "bob", "--roots", str(data / "bob")),
         "viewer": add_user(auth, "viewer", "--scopes", "read"),
     }
@@ -73,8 +75,9 @@ def test_each_user_sees_and_touches_only_their_own(users, tmp_path):
     for call in (lambda: bob.get(job.id), lambda: bob.logs(job.id), lambda: bob.cancel(job.id)):
         with pytest.raises(NotFound):
             call()
-    r = httpx.get(f"{server.url}/v1/jobs/{job.id}/events",
-                  headers={"Authorization": f"Bearer {tok['bob']}"})  # fmt: skip
+    r = httpx.get(
+        f"{server.url}/v1/jobs/{job.id}/events", headers={"Authorization": f"Bearer {tok['bob']}"}
+    )
     assert r.status_code == 404
     assert bob.list().total == 0 and alice.list().total == 1
     # the admin sees everyone's, and one user's on request
@@ -101,15 +104,19 @@ def test_each_user_sees_and_touches_only_their_own(users, tmp_path):
     with pytest.raises(QueueFull, match="max_queued, is 2") as e:
         alice.submit(job_spec(str(data / "alice" / "src"), str(data / "alice" / "tp2c")))
     assert e.value.status == 429
-    r = httpx.post(f"{server.url}/v1/jobs", json=job_spec(str(data / "alice" / "src"),
-                   str(data / "alice" / "tp2d")), headers={"Authorization": f"Bearer {tok['alice']}"})  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/v1/jobs",
+        json=job_spec(str(data / "alice" / "src"), str(data / "alice" / "tp2d")),
+        headers={"Authorization": f"Bearer {tok['alice']}"},
+    )
     assert r.status_code == 429 and r.headers["Retry-After"]
     waiting = alice.get(job.id)
     assert waiting.state.value == "queued" and "max_running is 0" in (waiting.reason or "")
 
     # bob's job runs meanwhile: alice's full queue holds nobody else back
-    done = bob.wait(bob.submit(job_spec(str(data / "bob" / "src"), str(data / "bob" / "tp2"))).id,
-                    timeout=300)  # fmt: skip
+    done = bob.wait(
+        bob.submit(job_spec(str(data / "bob" / "src"), str(data / "bob" / "tp2"))).id, timeout=300
+    )
     assert done.state.value == "succeeded", done.error
 
     # alice cancels her own job; the admin may cancel anyone's
@@ -124,8 +131,10 @@ def test_each_user_sees_and_touches_only_their_own(users, tmp_path):
     with pytest.raises(Unauthorized):
         bob.list()
     for _ in range(20):  # a flood of bad tokens: refused, and audited once per address
-        assert httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer x"}
-                         ).status_code == 401  # fmt: skip
+        assert (
+            httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer x"}).status_code
+            == 401
+        )
     refusals = [e for e in server.client().audit(limit=1000).items if e.action == "authenticate"]
     assert 1 <= len(refusals) <= 2
     listed = token_cli(auth, "list", "--json")
@@ -143,9 +152,13 @@ def test_each_user_sees_and_touches_only_their_own(users, tmp_path):
     assert ("", "authenticate", "refused", 401) in seen
     with pytest.raises(Forbidden):
         alice.audit()
-    cli = subprocess.run([sys.executable, "-m", "reshard_client.cli", "audit", "--json",
-                          "--user", "alice"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN})  # fmt: skip
+    cli = subprocess.run(
+        [sys.executable, "-m", "reshard_client.cli", "audit", "--json", "--user", "alice"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN},
+    )
     assert cli.returncode == 0 and '"principal": "alice"' in cli.stdout, cli.stderr
 
     # no token text anywhere the server writes: data dir, database, logs
@@ -177,9 +190,21 @@ def test_round_robin_start_order_across_users(tmp_path, make_server):
 
 def test_fair_order_rotates_across_owners():
     def row(i: int, owner: str) -> JobRow:
-        return JobRow(id=str(i), state="queued", spec={}, idem_key=None, idem_hash=None,
-                      created_at=i, started_at=None, finished_at=None, progress={}, error=None,
-                      attempts=0, cancel_requested=False, owner=owner)  # fmt: skip
+        return JobRow(
+            id=str(i),
+            state="queued",
+            spec={},
+            idem_key=None,
+            idem_hash=None,
+            created_at=i,
+            started_at=None,
+            finished_at=None,
+            progress={},
+            error=None,
+            attempts=0,
+            cancel_requested=False,
+            owner=owner,
+        )
 
     q = [row(1, "a"), row(2, "a"), row(3, "a"), row(4, "b"), row(5, "c")]
     assert [j.id for j in fair_order(q, None)] == ["1", "4", "5", "2", "3"]
@@ -202,8 +227,10 @@ def test_host_and_origin_guards(server):
     # the same origin and no origin (the CLI, curl) pass on to validation
     same = httpx.post(f"{base}/v1/jobs", json={}, headers={**auth, "Origin": base})
     assert same.status_code == 422
-    assert httpx.get(f"{base}/v1/jobs", headers={**auth, "Origin": "https://evil.example"}
-                     ).status_code == 200  # fmt: skip
+    assert (
+        httpx.get(f"{base}/v1/jobs", headers={**auth, "Origin": "https://evil.example"}).status_code
+        == 200
+    )
 
 
 def test_auth_file_is_checked_and_a_broken_one_refuses_everyone(tmp_path):
@@ -211,7 +238,7 @@ def test_auth_file_is_checked_and_a_broken_one_refuses_everyone(tmp_path):
     f = AuthFile(str(good))
     token, tid = f.add_token("carol", ["read"], None, None, None)
     who = f.authenticate(token)
-    assert who == Principal("carol", frozenset({"read"}))
+    assert who == Principal(name="carol", scopes=frozenset({"read"}))
     assert f.authenticate(token + "x") is None
     time.sleep(0.01)
     good.write_text(good.read_text().replace("read", "reed"))  # edited by hand, badly
@@ -249,15 +276,21 @@ def test_jwts_from_an_identity_provider(tmp_path, make_server):
     iss, aud = "https://idp.example", "reshard"
     server = make_server(jwt_issuer=iss, jwt_audience=aud, jwt_jwks=str(jwks))
     now = int(time.time())
-    good = {"iss": iss, "aud": aud, "sub": "erin", "exp": now + 300,
-            "scope": "openid reshard:read reshard:submit"}  # fmt: skip
+    good = {
+        "iss": iss,
+        "aud": aud,
+        "sub": "erin",
+        "exp": now + 300,
+        "scope": "openid reshard:read reshard:submit",
+    }
 
     def sign(claims: dict, k=key, kid: str = "k1", alg: str = "RS256") -> str:
         return jwt.encode(claims, k, algorithm=alg, headers={"kid": kid})
 
     def status(token: str) -> int:
-        return httpx.get(f"{server.url}/v1/jobs",
-                         headers={"Authorization": f"Bearer {token}"}).status_code  # fmt: skip
+        return httpx.get(
+            f"{server.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"}
+        ).status_code
 
     erin = ReshardClient(server.url, sign(good))
     assert erin.list().total == 0
@@ -306,19 +339,37 @@ def test_readme_users_block(tmp_path, make_server):
         line = line.replace("/etc/reshard/users.yaml", str(auth))
         line = line.replace("/data/alice", str(tmp_path / "data" / "alice"))
         if "TOKEN_ID" in line:
-            listed = json.loads(subprocess.run(
-                [str(bindir / "reshard-server"), "token", "list", "--json"], env=env,
-                capture_output=True, text=True, check=True).stdout)  # fmt: skip
-            line = line.replace("TOKEN_ID", next(u for u in listed if u["user"] == "alice")
-                                ["tokens"][0]["id"])  # fmt: skip
+            listed = json.loads(
+                subprocess.run(
+                    [str(bindir / "reshard-server"), "token", "list", "--json"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            )
+            line = line.replace(
+                "TOKEN_ID", next(u for u in listed if u["user"] == "alice")["tokens"][0]["id"]
+            )
         if line.startswith("export "):
             name, value = line.removeprefix("export ").split("=", 1)
             env[name] = value
             continue
-        r = subprocess.run(["bash", "-c", line], env={**env, "PATH": f"{bindir}:{env['PATH']}"},
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        r = subprocess.run(
+            ["bash", "-c", line],
+            env={**env, "PATH": f"{bindir}:{env['PATH']}"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, (line, r.stderr)
     assert "alice" in auth.read_text() and "oncall" in auth.read_text()
-    assert '"tokens": []' in subprocess.run(
-        [str(bindir / "reshard-server"), "token", "list", "--json"], env=env,
-        capture_output=True, text=True).stdout  # fmt: skip
+    assert (
+        '"tokens": []'
+        in subprocess.run(
+            [str(bindir / "reshard-server"), "token", "list", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )

@@ -58,15 +58,31 @@ def test_each_committed_step_becomes_one_job_across_a_server_restart(make_server
     client = server.client()
     titan, run = data / "titan", data / "run"
     dcp_step(titan, 2)  # committed before the watch: left alone
-    r = cli(server, "watch", str(titan), "--every", "2", "--format", "hf",
-            "--to", str(data / "hf-{step}"))  # fmt: skip
+    r = cli(
+        server,
+        "watch",
+        str(titan),
+        "--every",
+        "2",
+        "--format",
+        "hf",
+        "--to",
+        str(data / "hf-{step}"),
+    )
     assert r.returncode == 0, r.stderr
     assert "1 step(s) already committed are left alone" in r.stdout
     dcp_watch = r.stdout.split()[0]
     with CheckpointManager(str(run), async_save=False) as mgr:
         mgr.save(1, weights(1))
-    ours = client.watch({"root": str(run), "target": str(data / "tp2-{step}"), "every": 2,
-                         "mesh": {"tp": 2}, "rules": {"*": "S(0)"}}).id  # fmt: skip
+    ours = client.watch(
+        {
+            "root": str(run),
+            "target": str(data / "tp2-{step}"),
+            "every": 2,
+            "mesh": {"tp": 2},
+            "rules": {"*": "S(0)"},
+        }
+    ).id
 
     dcp_step(titan, 3)  # not a multiple of 2
     dcp_step(titan, 4)
@@ -85,8 +101,10 @@ def test_each_committed_step_becomes_one_job_across_a_server_restart(make_server
     server.start()
     until(lambda: 6 in submitted(client, dcp_watch) and 4 in submitted(client, ours))
 
-    jobs = {**{("hf", s): j for s, j in submitted(client, dcp_watch).items()},
-            **{("tp2", s): j for s, j in submitted(client, ours).items()}}  # fmt: skip
+    jobs = {
+        **{("hf", s): j for s, j in submitted(client, dcp_watch).items()},
+        **{("tp2", s): j for s, j in submitted(client, ours).items()},
+    }
     assert sorted(jobs) == [("hf", 4), ("hf", 6), ("tp2", 2), ("tp2", 4)]
     assert client.list().total == 4  # none twice, though the server died mid-way
     for (kind, step), job_id in jobs.items():
@@ -136,8 +154,7 @@ def test_bad_watches_are_refused_naming_what_to_fix(make_server, tmp_path):
     ]
     headers = {"Authorization": f"Bearer {TOKEN}"}
     for body, code, says in cases:
-        r = httpx.post(f"{server.url}/v1/watches", json={"root": str(run), **body},
-                       headers=headers)  # fmt: skip
+        r = httpx.post(f"{server.url}/v1/watches", json={"root": str(run), **body}, headers=headers)
         assert r.status_code == code and says in r.text, (body, r.status_code, r.text)
     assert httpx.post(f"{server.url}/v1/watches", json={"root": str(run)}).status_code == 401
     r = cli(server, "watch", str(run), "--to", str(data / "hf"))  # the CLI checks it first
@@ -164,19 +181,34 @@ def test_bad_watches_are_refused_naming_what_to_fix(make_server, tmp_path):
 def test_committed_steps_of_each_writer(tmp_path):
     """The names and commit files of reshard, torch DCP and torch_checkpointing steps."""
     root = tmp_path / "root"
-    marks = {"step-0000000010": "reshard.index.json", "step_20": "metadata.pkl",
-             "iter_0000030": ".metadata", "global_step_40": ".metadata",
-             "checkpoint-50": "reshard.index.json", "step-60": None, "step-70": "data.bin",
-             "notes": "reshard.index.json", ".step-80.staging-x": "reshard.index.json",
-             "step-90": ".metadata", "step_90": ".metadata"}  # fmt: skip
+    marks = {
+        "step-0000000010": "reshard.index.json",
+        "step_20": "metadata.pkl",
+        "iter_0000030": ".metadata",
+        "global_step_40": ".metadata",
+        "checkpoint-50": "reshard.index.json",
+        "step-60": None,
+        "step-70": "data.bin",
+        "notes": "reshard.index.json",
+        ".step-80.staging-x": "reshard.index.json",
+        "step-90": ".metadata",
+        "step_90": ".metadata",
+    }
     for name, marker in marks.items():
         (root / name).mkdir(parents=True)
         if marker:
             (root / name / marker).write_bytes(b"{}")
     got = committed_steps(str(root))
-    assert got == {s: f"{root}/{n}" for s, n in
-                   ((10, "step-0000000010"), (20, "step_20"), (30, "iter_0000030"),
-                    (40, "global_step_40"), (50, "checkpoint-50"))}  # fmt: skip
+    assert got == {
+        s: f"{root}/{n}"
+        for s, n in (
+            (10, "step-0000000010"),
+            (20, "step_20"),
+            (30, "iter_0000030"),
+            (40, "global_step_40"),
+            (50, "checkpoint-50"),
+        )
+    }
     assert sorted(committed_steps(str(root), skip={10}, every=20)) == [20, 40]
 
 
@@ -203,7 +235,7 @@ def test_a_crash_between_submitting_and_recording_a_step_makes_no_second_job(tmp
     store = JobStore(settings.db)
     spec = WatchCreate(root=str(root), target=str(tmp_path / "out-{step}"))
     watch = store.create_watch(spec.model_dump(mode="json", exclude_none=True), {})
-    admin = Principal(ADMIN, frozenset({ADMIN}))
+    admin = Principal(name=ADMIN, scopes=frozenset({ADMIN}))
     watcher = Watcher(
         settings, store, lambda job, key, owner: admit(job, settings, store, 1, key, admin)[0]
     )
@@ -236,16 +268,28 @@ def test_readme_watch_lines(make_server, tmp_path):
     found = re.search(r"<!-- watch:start -->\s*```bash\n(.*?)```\s*<!-- watch:end -->", text, re.S)
     assert found, "README lost its watch block"
     data = tmp_path / "data"
-    lines = [re.sub(r"\[([^\]]+)\]", r"\1", line.split("  #")[0].strip())
-             .replace("/data/", f"{data}/").replace("WATCH_ID", "$WATCH_ID")
-             for line in found.group(1).strip().splitlines()]  # fmt: skip
+    lines = [
+        re.sub(r"\[([^\]]+)\]", r"\1", line.split("  #")[0].strip())
+        .replace("/data/", f"{data}/")
+        .replace("WATCH_ID", "$WATCH_ID")
+        for line in found.group(1).strip().splitlines()
+    ]
     server = make_server(watch_interval_s=SCAN)
-    env = {**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN,
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "RESHARD_URL": server.url,
+        "RESHARD_TOKEN": TOKEN,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
 
     def bash(script: str) -> str:
-        r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        r = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0 and "Traceback" not in r.stderr, (script, r.stdout, r.stderr)
         return r.stdout
 

@@ -85,8 +85,9 @@ def test_cli_convert_overwrite_repro(tmp_path):
     r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "tgt"), "--mesh", "tp=1")
     assert r.returncode == 2 and "--overwrite" in r.stderr and "Traceback" not in r.stderr
     assert read(str(tmp_path / "tgt")) == 4.0
-    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "tgt"), "--mesh", "tp=1",
-                "--overwrite")  # fmt: skip
+    r = run_cli(
+        "convert", str(tmp_path / "ck"), str(tmp_path / "tgt"), "--mesh", "tp=1", "--overwrite"
+    )
     assert r.returncode == 0, r.stderr
     assert read(str(tmp_path / "tgt")) == 3.0
     assert (tmp_path / "tgt" / "mine.txt").read_text() == "x"
@@ -99,8 +100,16 @@ def fake_run(storage, token: str, *, pid: int, expires_in: float, owner: str = "
     from reshard_svc.storage.leases import LeaseRecord
 
     now = time.time()
-    rec = LeaseRecord(token, "save", owner, os.uname().nodename, pid, now - 1,
-                      ttl=expires_in + 1, renewed=now - 1)  # fmt: skip
+    rec = LeaseRecord(
+        token=token,
+        kind="save",
+        owner=owner,
+        host=os.uname().nodename,
+        pid=pid,
+        started=now - 1,
+        ttl=expires_in + 1,
+        renewed=now - 1,
+    )
     storage.create_lease(rec.dumps(), token)
     if expires_in < 0 and not storage.uri.startswith(("memory", "s3")):
         os.utime(storage.lease_path(), (now - 10, now - 10))  # the mtime says when it lived
@@ -125,8 +134,11 @@ def test_collect_only_stale_runs(root, pid, expires_in, owner, collected):
     before = set(storage.listdir())
     token = "ab" * 16
     with contextlib.ExitStack() as stack:
-        holder = {None: os.getpid, "dead": dead_pid,
-                  "zombie": lambda: stack.enter_context(zombie_pid())}[pid]()  # fmt: skip
+        holder = {
+            None: os.getpid,
+            "dead": dead_pid,
+            "zombie": lambda: stack.enter_context(zombie_pid()),
+        }[pid]()
         fake_run(storage, token, pid=holder, expires_in=expires_in, owner=owner)
         dry = gc.collect(uri, owner=owner or None, dry_run=True)
         assert bool(dry) == collected
@@ -204,8 +216,12 @@ def test_a_lease_record_left_mid_renewal_by_a_dead_process_is_collected(tmp_path
     between, the temporary file is the dead process's; gc removes it, a live one's stays."""
     uri = str(tmp_path / "ck")
     reshard_svc.save(sd(1.0), uri)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lease = open_storage(uri).lease_path()
     left = Path(f"{lease}.{int(dead.stdout)}.tmp")
     live = Path(f"{lease}.{os.getpid()}.tmp")

@@ -40,10 +40,25 @@ def source(base: str) -> tuple[str, dict]:
 
 def start_convert(src: str, dst: str, tp: int, workers: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "reshard_client.cli", "convert", src, dst, "--mesh", f"tp={tp}",
-         "--rules", '{"*": "S(0)"}', "--workers", str(workers), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "reshard_client.cli",
+            "convert",
+            src,
+            dst,
+            "--mesh",
+            f"tp={tp}",
+            "--rules",
+            '{"*": "S(0)"}',
+            "--workers",
+            str(workers),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def one_whole_checkpoint(base: str, name: str, sd: dict) -> dict:
@@ -149,7 +164,7 @@ def test_two_torchrun_save_jobs_into_one_target(base, tmp_path):
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+        )
         for value in (1, 2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]

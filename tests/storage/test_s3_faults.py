@@ -65,10 +65,15 @@ def test_save_convert_verify_through_faults(faulty, moto_server):
 
 @pytest.mark.parametrize(
     "faulty",
-    [{"slowdown": 0.0, "lose": 0.0,
-      "lose_once": ("POST uploadId=", "PUT reshard.index.json", "DELETE .safetensors")}],
+    [
+        {
+            "slowdown": 0.0,
+            "lose": 0.0,
+            "lose_once": ("POST uploadId=", "PUT reshard.index.json", "DELETE .safetensors"),
+        }
+    ],
     indirect=True,
-)  # fmt: skip
+)
 def test_lost_answers_to_commit_steps(faulty, moto_server):
     bucket, proxy = faulty
     sd = state()

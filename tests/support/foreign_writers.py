@@ -103,12 +103,16 @@ def megatron_reference(ep: int = 2) -> dict[str, torch.Tensor]:
     experts = 2 * ep
     return {
         "embedding.word_embeddings.weight": torch.randn(VOCAB, H, generator=g),
-        "decoder.layers.self_attention.linear_qkv.weight": torch.randn(LAYERS, 3 * H, H, generator=g),
+        "decoder.layers.self_attention.linear_qkv.weight": torch.randn(
+            LAYERS, 3 * H, H, generator=g
+        ),
         "decoder.layers.self_attention.linear_proj.weight": torch.randn(LAYERS, H, H, generator=g),
         "decoder.layers.input_layernorm.weight": torch.randn(LAYERS, H, generator=g),
-        "decoder.layers.mlp.experts.experts.linear_fc1.weight": torch.randn(LAYERS, experts, F, H, generator=g),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": torch.randn(
+            LAYERS, experts, F, H, generator=g
+        ),
         "decoder.final_layernorm.weight": torch.randn(H, generator=g),
-    }  # fmt: skip
+    }
 
 
 def write_megatron(out: str, ref: str) -> str:
@@ -135,19 +139,39 @@ def write_megatron(out: str, ref: str) -> str:
             ("decoder.layers.self_attention.linear_qkv.weight", 0),
             ("decoder.layers.self_attention.linear_proj.weight", 1),
         ):  # column / row parallel within each layer, layers stacked on a prepended axis
-            sd["layers"].append(ShardedTensor.from_rank_offsets(
-                key, part(full[key][layer], dim), (0, layer, LAYERS), (dim + 1, rank, tp),
-                replica_id=0, prepend_axis_num=1))  # fmt: skip
+            sd["layers"].append(
+                ShardedTensor.from_rank_offsets(
+                    key,
+                    part(full[key][layer], dim),
+                    (0, layer, LAYERS),
+                    (dim + 1, rank, tp),
+                    replica_id=0,
+                    prepend_axis_num=1,
+                )
+            )
         norm = "decoder.layers.input_layernorm.weight"
-        sd["layers"].append(ShardedTensor.from_rank_offsets(
-            norm, full[norm][layer].clone(), (0, layer, LAYERS), replica_id=rank,
-            prepend_axis_num=1))  # fmt: skip
+        sd["layers"].append(
+            ShardedTensor.from_rank_offsets(
+                norm,
+                full[norm][layer].clone(),
+                (0, layer, LAYERS),
+                replica_id=rank,
+                prepend_axis_num=1,
+            )
+        )
         fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
         experts = full[fc1].shape[1]
         for e in range(rank * experts // tp, (rank + 1) * experts // tp):  # expert parallel
-            sd["experts"].append(ShardedTensor.from_rank_offsets(
-                fc1, full[fc1][layer, e].clone(), (0, layer, LAYERS), (1, e, experts),
-                replica_id=0, prepend_axis_num=2))  # fmt: skip
+            sd["experts"].append(
+                ShardedTensor.from_rank_offsets(
+                    fc1,
+                    full[fc1][layer, e].clone(),
+                    (0, layer, LAYERS),
+                    (1, e, experts),
+                    replica_id=0,
+                    prepend_axis_num=2,
+                )
+            )
     final = "decoder.final_layernorm.weight"
     sd[final] = ShardedTensor.from_rank_offsets(final, full[final].clone(), replica_id=rank)
     sd["iteration"] = 42
@@ -250,16 +274,25 @@ def _gpt(tp: int, ep: int, grouped: bool) -> tuple[Any, Any]:
     )
     torch.manual_seed(11)
     config = TransformerConfig(
-        num_layers=GPT_LAYERS, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
-        num_moe_experts=GPT_EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=2,
-        moe_grouped_gemm=grouped, moe_use_legacy_grouped_gemm=grouped, gated_linear_unit=True,
-        add_bias_linear=False, use_cpu_initialization=True,
-    )  # fmt: skip
+        num_layers=GPT_LAYERS,
+        hidden_size=16,
+        num_attention_heads=4,
+        ffn_hidden_size=32,
+        num_moe_experts=GPT_EXPERTS,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_grouped_gemm=grouped,
+        moe_use_legacy_grouped_gemm=grouped,
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+    )
     spec = get_gpt_layer_local_spec(
         num_experts=GPT_EXPERTS, moe_grouped_gemm=grouped, moe_use_legacy_grouped_gemm=grouped
     )
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64,
-                     max_sequence_length=8)  # fmt: skip
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=8
+    )
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     optim = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])
     return model, optim
@@ -399,6 +432,9 @@ def load_fsdp_and_compare(uri: str, ref: str) -> list[str]:
     with open(ref + ".json") as f:
         groups = json.load(f)
     for i, (g, w) in enumerate(zip(after["param_groups"], groups, strict=True)):
-        bad += [f"param_groups.{i}.{k}" for k, v in w.items() if k != "params"
-                and (list(g[k]) if isinstance(g[k], tuple) else g[k]) != v]  # fmt: skip
+        bad += [
+            f"param_groups.{i}.{k}"
+            for k, v in w.items()
+            if k != "params" and (list(g[k]) if isinstance(g[k], tuple) else g[k]) != v
+        ]
     return bad

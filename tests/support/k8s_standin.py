@@ -48,8 +48,14 @@ def _now() -> str:
 
 
 def _status(code: int, reason: str, message: str) -> JSONResponse:
-    body = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": code,
-            "reason": reason, "message": message}  # fmt: skip
+    body = {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
     return JSONResponse(body, status_code=code)
 
 
@@ -57,9 +63,13 @@ class Node:
     """One TrainJob node: a pod backed by a local process group."""
 
     def __init__(
-        self, job: TrainJob, rank: int, cmd: list[str], env: dict[str, str],
+        self,
+        job: TrainJob,
+        rank: int,
+        cmd: list[str],
+        env: dict[str, str],
         unschedulable: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.name = f"{job.name}-node-0-{rank}"
         self.log = job.cluster.root / f"{job.namespace}-{self.name}.log"
         self.killed_by_delete = False
@@ -67,8 +77,14 @@ class Node:
         self.proc: subprocess.Popen[bytes] | None = None
         if unschedulable is None:
             with open(self.log, "wb") as out:
-                self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                self.proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:
@@ -111,16 +127,26 @@ class TrainJob:
         unschedulable = (
             "0/1 nodes are available: 1 Insufficient nvidia.com/gpu. preemption: 0/1 nodes "
             "are available: 1 No preemption victims found for incoming pod."
-            if gpus > cluster.gpus_per_node else None
-        )  # fmt: skip
+            if gpus > cluster.gpus_per_node
+            else None
+        )
         self.nodes = [
-            Node(self, rank, list(trainer["command"]), {
-                **base, "PET_NNODES": str(nnodes), "PET_NPROC_PER_NODE": nproc,
-                "PET_NODE_RANK": str(rank), "PET_MASTER_ADDR": "127.0.0.1",
-                "PET_MASTER_PORT": port,
-            }, unschedulable)
+            Node(
+                self,
+                rank,
+                list(trainer["command"]),
+                {
+                    **base,
+                    "PET_NNODES": str(nnodes),
+                    "PET_NPROC_PER_NODE": nproc,
+                    "PET_NODE_RANK": str(rank),
+                    "PET_MASTER_ADDR": "127.0.0.1",
+                    "PET_MASTER_PORT": port,
+                },
+                unschedulable,
+            )
             for rank in range(nnodes)
-        ]  # fmt: skip
+        ]
         self.deleting = False
 
     def conditions(self) -> list[dict[str, Any]]:
@@ -132,14 +158,34 @@ class TrainJob:
                     n.signal(signal.SIGKILL)
                     n.killed_by_delete = True
             pod, t = failed[0]
-            return [{"type": "Failed", "status": "True", "reason": "JobSetFailed",
-                     "message": f"jobset failed: pod {pod.name} {t['reason']}",
-                     "lastTransitionTime": _now()}]  # fmt: skip
+            return [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "JobSetFailed",
+                    "message": f"jobset failed: pod {pod.name} {t['reason']}",
+                    "lastTransitionTime": _now(),
+                }
+            ]
         if all(t is not None for t in ends):
-            return [{"type": "Complete", "status": "True", "reason": "JobSetCompleted",
-                     "message": "TrainJob is completed", "lastTransitionTime": _now()}]  # fmt: skip
-        return [{"type": "Created", "status": "True", "reason": "JobsCreationSucceeded",
-                 "message": "TrainJob is created", "lastTransitionTime": _now()}]  # fmt: skip
+            return [
+                {
+                    "type": "Complete",
+                    "status": "True",
+                    "reason": "JobSetCompleted",
+                    "message": "TrainJob is completed",
+                    "lastTransitionTime": _now(),
+                }
+            ]
+        return [
+            {
+                "type": "Created",
+                "status": "True",
+                "reason": "JobsCreationSucceeded",
+                "message": "TrainJob is created",
+                "lastTransitionTime": _now(),
+            }
+        ]
 
     def view(self) -> dict[str, Any]:
         out = {**self.body, "status": {"conditions": self.conditions()}}
@@ -152,26 +198,49 @@ class TrainJob:
         phase = "Running" if t is None else ("Succeeded" if t["exitCode"] == 0 else "Failed")
         state = {"running": {"startedAt": _now()}} if t is None else {"terminated": t}
         image = self.body["spec"]["trainer"].get("image", "")
-        labels = {"jobset.sigs.k8s.io/jobset-name": self.name,
-                  "jobset.sigs.k8s.io/replicatedjob-name": "node",
-                  "trainer.kubeflow.org/trainjob-name": self.name}  # fmt: skip
+        labels = {
+            "jobset.sigs.k8s.io/jobset-name": self.name,
+            "jobset.sigs.k8s.io/replicatedjob-name": "node",
+            "trainer.kubeflow.org/trainjob-name": self.name,
+        }
         if node.unschedulable is not None:
             return {
-                "apiVersion": "v1", "kind": "Pod",
+                "apiVersion": "v1",
+                "kind": "Pod",
                 "metadata": {"name": node.name, "namespace": self.namespace, "labels": labels},
                 "spec": {"containers": [{"name": "node", "image": image}]},
-                "status": {"phase": "Pending", "conditions": [{
-                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                    "message": node.unschedulable, "lastTransitionTime": _now()}]},
-            }  # fmt: skip
+                "status": {
+                    "phase": "Pending",
+                    "conditions": [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": node.unschedulable,
+                            "lastTransitionTime": _now(),
+                        }
+                    ],
+                },
+            }
         return {
-            "apiVersion": "v1", "kind": "Pod",
+            "apiVersion": "v1",
+            "kind": "Pod",
             "metadata": {"name": node.name, "namespace": self.namespace, "labels": labels},
             "spec": {"containers": [{"name": "node", "image": image}]},
-            "status": {"phase": phase, "containerStatuses": [{
-                "name": "node", "image": image, "imageID": "", "ready": t is None,
-                "restartCount": 0, "state": state}]},
-        }  # fmt: skip
+            "status": {
+                "phase": phase,
+                "containerStatuses": [
+                    {
+                        "name": "node",
+                        "image": image,
+                        "imageID": "",
+                        "ready": t is None,
+                        "restartCount": 0,
+                        "state": state,
+                    }
+                ],
+            },
+        }
 
     def delete(self, grace_s: float) -> None:
         """Foreground deletion: the object goes once every pod has stopped."""

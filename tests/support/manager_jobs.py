@@ -114,8 +114,10 @@ def save_forever(root: str, ready: str) -> None:
 
 def full_value_of(step: int) -> dict[str, Any]:
     """:func:`value_of` as one process holds it: whole tensors."""
-    return {"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(256, 256) + step,
-            "meta": {"step": step}}  # fmt: skip
+    return {
+        "w": torch.arange(64 * 1024, dtype=torch.float32).reshape(256, 256) + step,
+        "meta": {"step": step},
+    }
 
 
 def resume_and_check_here(root: str) -> tuple[int | None, bool]:

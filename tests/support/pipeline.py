@@ -135,8 +135,9 @@ def put(model: Staged, optim: Any, sd: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     opts = StateDictOptions(flatten_optimizer_state_dict=True)
-    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                   options=opts)  # fmt: skip
+    set_state_dict(
+        model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=opts
+    )
 
 
 def full(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -168,8 +169,12 @@ def pp_save(path: str, pp: int, tp: int) -> dict[str, Any]:
     train(model, optim, stage, range(2, 3))
     after = full(state(model, optim))
     first = _first_of_stage(pp)
-    return {"stage": stage, "saved": saved if first else None, "after": after if first else None,
-            "keys": sorted(sd["model"])}  # fmt: skip
+    return {
+        "stage": stage,
+        "saved": saved if first else None,
+        "after": after if first else None,
+        "keys": sorted(sd["model"]),
+    }
 
 
 def pp_resume(path: str, pp: int, tp: int) -> dict[str, Any]:
@@ -185,8 +190,12 @@ def pp_resume(path: str, pp: int, tp: int) -> dict[str, Any]:
     train(model, optim, stage, range(target["step"], target["step"] + 1))
     after = full(state(model, optim))
     first = _first_of_stage(pp)
-    return {"stage": stage, "loaded": loaded if first else None, "after": after if first else None,
-            "step": target["step"]}  # fmt: skip
+    return {
+        "stage": stage,
+        "loaded": loaded if first else None,
+        "after": after if first else None,
+        "step": target["step"],
+    }
 
 
 def flat_load(path: str, tp: int) -> dict[str, Any]:
@@ -257,8 +266,10 @@ def ep_load(path: str, ep: int, tp: int, replicated: bool = False) -> dict[str, 
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (ep, tp), mesh_dim_names=("ep", "tp"))
-        sd = {n: _dt(mesh, "R,R", torch.zeros(E, F_DIM, H_DIM, dtype=torch.bfloat16))
-              for n in ("moe.w1", "moe.w2")}  # fmt: skip
+        sd = {
+            n: _dt(mesh, "R,R", torch.zeros(E, F_DIM, H_DIM, dtype=torch.bfloat16))
+            for n in ("moe.w1", "moe.w2")
+        }
     else:
         sd = ep_state(ep, tp, zeros=True)
     reshard_svc.load(sd, path)

@@ -29,21 +29,29 @@ class RayCluster:
         # whose nodes have reshard-svc installed
         path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PATH": path}
-        return subprocess.run([RAY, *args], capture_output=True, text=True, timeout=timeout,
-                              env=env, check=False)  # fmt: skip
+        return subprocess.run(
+            [RAY, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
 
     def __enter__(self) -> RayCluster:
         head = self._ray(
-            "start", "--head", f"--port={self.port}", f"--dashboard-port={self.dashboard_port}",
-            "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--num-cpus={self.cpus}",
-            f"--temp-dir={self.tmp}", "--disable-usage-stats",
-        )  # fmt: skip
+            "start",
+            "--head",
+            f"--port={self.port}",
+            f"--dashboard-port={self.dashboard_port}",
+            "--dashboard-host=127.0.0.1",
+            "--include-dashboard=true",
+            f"--num-cpus={self.cpus}",
+            f"--temp-dir={self.tmp}",
+            "--disable-usage-stats",
+        )
         if head.returncode != 0:
             raise RuntimeError(f"ray start --head failed: {head.stderr[-2000:]}")
         m = re.search(r"--address='([^']+)'", head.stdout + head.stderr)
         self.gcs = m.group(1) if m else f"127.0.0.1:{self.port}"
-        node = self._ray("start", f"--address={self.gcs}", f"--num-cpus={self.cpus}",
-                         "--disable-usage-stats")  # fmt: skip
+        node = self._ray(
+            "start", f"--address={self.gcs}", f"--num-cpus={self.cpus}", "--disable-usage-stats"
+        )
         if node.returncode != 0:
             self._ray("stop", "--force")
             raise RuntimeError(f"ray start --address failed: {node.stderr[-2000:]}")

@@ -107,11 +107,18 @@ class SlurmCluster:
             )
         )
         self._spawn(
-            [_exe("munged"), "--foreground", "--force", f"--socket={sock}",
-             f"--key-file={key}", f"--pid-file={r / 'munge' / 'munged.pid'}",
-             f"--log-file={r / 'log' / 'munged.log'}", f"--seed-file={r / 'munge' / 'seed'}"],
+            [
+                _exe("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}",
+                f"--log-file={r / 'log' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'seed'}",
+            ],
             "munged",
-        )  # fmt: skip
+        )
         self._wait(lambda: sock.exists(), timeout, "munged socket")
         self._spawn([_exe("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld")
         self._wait(self._ctld_up, timeout, "slurmctld")

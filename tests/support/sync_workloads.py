@@ -90,10 +90,15 @@ def dtensors_wrong(dst: dict[str, Any] | None, truth: Truth, placements: Any) ->
 
 def _result(res: Any) -> dict[str, Any]:
     return {
-        "version": res.version, "sent": res.bytes_sent, "full": res.bytes_full,
-        "received": res.bytes_received, "deltas": res.delta_pieces, "wholes": res.whole_pieces,
-        "held": res.held_until_commit, "cached": res.plan_cached,
-    }  # fmt: skip
+        "version": res.version,
+        "sent": res.bytes_sent,
+        "full": res.bytes_full,
+        "received": res.bytes_received,
+        "deltas": res.delta_pieces,
+        "wholes": res.whole_pieces,
+        "held": res.held_until_commit,
+        "cached": res.plan_cached,
+    }
 
 
 def rl_loop() -> dict[str, Any]:
@@ -161,8 +166,12 @@ def rl_loop() -> dict[str, Any]:
     out["snapshot_bytes"] = sync.snapshot_bytes
     out["version"] = sync.version
     errors = {}
-    cases = (("backwards", 5), ("same", 20), ("differs", 21 + (rank == 3)),
-             ("negative_on_one_rank", -1 if rank == 3 else 21))  # fmt: skip
+    cases = (
+        ("backwards", 5),
+        ("same", 20),
+        ("differs", 21 + (rank == 3)),
+        ("negative_on_one_rank", -1 if rank == 3 else 21),
+    )
     for case, version in cases:
         try:
             sync.push(version)
@@ -200,8 +209,13 @@ def overlapping_fused_pp() -> dict[str, Any]:
             truth.step(step, density)
             _refresh(src, truth, lambda n: ["S(0)"])
         res = sync.push(step)
-        pushes.append({**_result(res), "waves": res.waves,
-                       "wrong": dtensors_wrong(dst, truth, tw.tp_placements)})  # fmt: skip
+        pushes.append(
+            {
+                **_result(res),
+                "waves": res.waves,
+                "wrong": dtensors_wrong(dst, truth, tw.tp_placements),
+            }
+        )
     out["overlapping"] = pushes
     # a delta that patches wrong on rank 6 is refused by verify before anything is written
     from reshard_svc import TransferAbortedError
@@ -279,8 +293,13 @@ def dies_mid_push(rank: int, ports: tuple[int, int], results: Any) -> None:
     out: dict[str, Any] = {"rank": rank}
     try:
         # a dead peer is noticed when its socket closes, or at this timeout at the latest
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank,
-                                world_size=4, timeout=timedelta(seconds=15))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{ports[0]}",
+            rank=rank,
+            world_size=4,
+            timeout=timedelta(seconds=15),
+        )
         truth = Truth()
         names = [n for n in tw.trainer_params() if "norm" not in n]
         src = _sources(tw._mesh([0, 1]), lambda n: ["S(0)"], truth, lambda n: n in names)
@@ -312,8 +331,13 @@ def dies_mid_push(rank: int, ports: tuple[int, int], results: Any) -> None:
         out["version"] = sync.version
         # the survivors regroup: trainer 0-1, one engine rank (TP 1) on new rank 2
         dist.destroy_process_group()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank,
-                                world_size=3, timeout=timedelta(seconds=60))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{ports[1]}",
+            rank=rank,
+            world_size=3,
+            timeout=timedelta(seconds=60),
+        )
         src = _sources(tw._mesh([0, 1]), lambda n: ["S(0)"], truth, lambda n: n in names)
         engine = tw._mesh([2])
         if rank == 2:

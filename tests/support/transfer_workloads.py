@@ -404,10 +404,13 @@ def pp_to_inference() -> dict[str, Any]:
             dt.to_local().mul_(2)
     c = transfer(src, engine, verify=True)
     return {
-        "dtensors": _summary(a), "wrong_dtensors": _wrong_unfused(dst),
-        "engine": _summary(b), "engine_cached": _summary(c), "wrong_engine": _engine_wrong(engine, 2.0),
+        "dtensors": _summary(a),
+        "wrong_dtensors": _wrong_unfused(dst),
+        "engine": _summary(b),
+        "engine_cached": _summary(c),
+        "wrong_engine": _engine_wrong(engine, 2.0),
         "padding_rows": sum(s.tensor.numel() - s.data.numel() for s in (engine or {}).values()),
-    }  # fmt: skip
+    }
 
 
 def _wrong_unfused(dst: dict[str, Any] | None) -> list[str]:
@@ -454,8 +457,12 @@ def verify_catches(case: str) -> dict[str, Any]:
         raised, message = type(e).__name__, str(e)
     finally:
         runtime._Staging.take = real_take  # type: ignore[method-assign]
-    return {"raised": raised, "message": message, "untouched": _untouched(dst),
-            "targets": len(dst or {})}  # fmt: skip
+    return {
+        "raised": raised,
+        "message": message,
+        "untouched": _untouched(dst),
+        "targets": len(dst or {}),
+    }
 
 
 def scenarios(names: list[str]) -> dict[str, Any]:

@@ -349,11 +349,16 @@ def replicated_fan_out(path: str) -> dict:
     flat = init_device_mesh("cpu", (4,))
     reshard_svc.save({n: distribute_tensor(t, flat, [Shard(0)]) for n, t in full.items()}, path)
     mesh = init_device_mesh("cpu", (2, 2))
-    target = {n: distribute_tensor(torch.zeros_like(t), mesh, [Replicate(), Replicate()])
-              for n, t in full.items()}  # fmt: skip
+    target = {
+        n: distribute_tensor(torch.zeros_like(t), mesh, [Replicate(), Replicate()])
+        for n, t in full.items()
+    }
     read_plan.PLANS.clear()
     reshard_svc.load(target, path, max_memory=4096, strategy="exchange")
     relayed = any(w.relays for p in read_plan.PLANS.values() for w in p.waves)
-    bad = [n for n, t in target.items()
-           if not torch.equal(t.to_local().view(torch.int16), full[n].view(torch.int16))]  # fmt: skip
+    bad = [
+        n
+        for n, t in target.items()
+        if not torch.equal(t.to_local().view(torch.int16), full[n].view(torch.int16))
+    ]
     return {"bad": bad, "relayed": relayed}

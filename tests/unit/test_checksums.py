@@ -20,7 +20,7 @@ BS = 4096  # the smallest block size the index accepts
 
 def table(data: bytes) -> BlockTable:
     crcs = tuple(crc32c(data[i : i + BS]) for i in range(0, len(data), BS))
-    return BlockTable("f.safetensors", len(data), BS, crcs)
+    return BlockTable(file="f.safetensors", size=len(data), block_size=BS, crcs=crcs)
 
 
 def cut(data: bytes, cuts: list[int]) -> list[memoryview]:

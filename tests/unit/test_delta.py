@@ -15,8 +15,17 @@ from hypothesis import strategies as st
 from reshard_svc.errors import UsageError
 from reshard_svc.runtime.delta import Encoding, apply, changed, decode, encode, patch
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,
-          torch.int64, torch.int32, torch.uint8, torch.bool]  # fmt: skip
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def as_int(t: torch.Tensor) -> torch.Tensor:
@@ -26,16 +35,22 @@ def as_int(t: torch.Tensor) -> torch.Tensor:
 
 def piece(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),),
-                        generator=g, dtype=torch.uint8)  # fmt: skip
+    raw = torch.randint(
+        0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), generator=g, dtype=torch.uint8
+    )
     if dtype == torch.bool:
         return raw.remainder(2).to(torch.bool)
     return raw.view(dtype)  # any bit pattern: NaN payloads, -0.0, denormals included
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
-       density=st.sampled_from([0.0, 0.0001, 0.01, 0.1, 0.3, 0.7, 1.0]), runs=st.booleans())  # fmt: skip
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 3000),
+    seed=st.integers(0, 2**31),
+    density=st.sampled_from([0.0, 0.0001, 0.01, 0.1, 0.3, 0.7, 1.0]),
+    runs=st.booleans(),
+)
 def test_patching_the_old_piece_gives_the_new_one_bitwise(dtype, n, seed, density, runs):
     old = piece(dtype, n, seed)
     new = old.clone()

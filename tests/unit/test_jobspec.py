@@ -36,7 +36,7 @@ specs = st.builds(
         st.sampled_from(["*", "*.w*", "layers.*.x"]),
         st.sampled_from(["S(0)", "R", "S(1),R", "SS(0,2)"]),
         min_size=1,
-    ),  # fmt: skip
+    ),
     format=st.sampled_from(FORMATS),
     dtype=st.none() | st.sampled_from(["bf16", "fp16", "fp32", "fp64"]),
     strategy=st.sampled_from(STRATEGIES),
@@ -93,8 +93,13 @@ def test_sizes_and_dtypes():
 
 def test_reader_skips_a_half_written_last_line(tmp_path):
     path = tmp_path / "p.jsonl"
-    good = {"event": "progress", "bytes_done": 5, "bytes_total": 9, "tensors_done": 1,
-            "tensors_total": 2}  # fmt: skip
+    good = {
+        "event": "progress",
+        "bytes_done": 5,
+        "bytes_total": 9,
+        "tensors_done": 1,
+        "tensors_total": 2,
+    }
     path.write_text(json.dumps(good) + "\n" + '{"event": "done", "strat')
     events = read_events(path)
     assert events == [good]
@@ -128,8 +133,15 @@ def test_reporter_retries_then_delivers_in_order(tmp_path):
     url = f"http://127.0.0.1:{httpd.server_port}/v1/jobs/j/events"
     rep = EventReporter(str(tmp_path / "p.jsonl"), url, "tok", final_timeout_s=20)
     for i in range(5):
-        rep.send({"event": "progress", "bytes_done": i, "bytes_total": 4, "tensors_done": 0,
-                  "tensors_total": 1})  # fmt: skip
+        rep.send(
+            {
+                "event": "progress",
+                "bytes_done": i,
+                "bytes_total": 4,
+                "tensors_done": 0,
+                "tensors_total": 1,
+            }
+        )
     rep.send({"event": "error", "error": "boom"})
     rep.close()
     httpd.shutdown()
@@ -142,8 +154,17 @@ def test_reporter_retries_then_delivers_in_order(tmp_path):
 def test_a_lost_server_never_blocks_the_worker_for_long():
     rep = EventReporter(None, "http://127.0.0.1:9/unreachable", "tok", final_timeout_s=1)
     started = time.monotonic()
-    rep.send({"event": "done", "strategy": "exchange", "seconds": 1.0, "bytes_read": 1,
-              "bytes_written": 1, "bytes_exchanged": 0, "tensors": 1})  # fmt: skip
+    rep.send(
+        {
+            "event": "done",
+            "strategy": "exchange",
+            "seconds": 1.0,
+            "bytes_read": 1,
+            "bytes_written": 1,
+            "bytes_exchanged": 0,
+            "tensors": 1,
+        }
+    )
     rep.close()
     assert time.monotonic() - started < 15
     assert rep.posted == 0 and rep.dropped == 1
@@ -166,6 +187,9 @@ def test_the_library_imports_nothing_from_the_server_or_the_client():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 names = [node.module]
-            bad += [f"{path.relative_to(root)}: {n}" for n in names
-                    if n.split(".")[0] in ("reshard_server", "reshard_client")]  # fmt: skip
+            bad += [
+                f"{path.relative_to(root)}: {n}"
+                for n in names
+                if n.split(".")[0] in ("reshard_server", "reshard_client")
+            ]
     assert not bad, bad

@@ -89,8 +89,11 @@ def test_the_walk_sees_lazy_relative_and_module_imports():
         "    import reshard_svc.plan.read\n"
     )
     found = imports(source, "reshard_svc.layout.sharding", is_package=False)
-    assert found == [(1, "reshard_svc.layout.box"), (3, "reshard_svc.runtime.comm"),
-                     (4, "reshard_svc.plan.read")]  # fmt: skip
+    assert found == [
+        (1, "reshard_svc.layout.box"),
+        (3, "reshard_svc.runtime.comm"),
+        (4, "reshard_svc.plan.read"),
+    ]
     assert layer_of("reshard_svc.runtime.comm") > layer_of("reshard_svc.layout.sharding")
 
 

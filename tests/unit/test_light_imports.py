@@ -60,11 +60,29 @@ def test_convert_with_workers_leaves_torch_to_the_workers(tmp_path):
 
     reshard_svc.save({"w": torch.arange(64.0).reshape(8, 8)}, str(tmp_path / "src"))
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "reshard_client.cli", "convert",
-         str(tmp_path / "src"), str(tmp_path / "dst"), "--mesh", "tp=2", "--rules",
-         '{"*": "S(0)"}', "--rename", "w=x", "--workers", "2"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPROFILEIMPORTTIME": ""},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "reshard_client.cli",
+            "convert",
+            str(tmp_path / "src"),
+            str(tmp_path / "dst"),
+            "--mesh",
+            "tp=2",
+            "--rules",
+            '{"*": "S(0)"}',
+            "--rename",
+            "w=x",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPROFILEIMPORTTIME": ""},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "import time:" in out.stderr  # the CLI's own imports are listed
     assert not re.search(r"\|\s+torch$", out.stderr, re.M), "the CLI process imported torch"

@@ -254,14 +254,29 @@ def test_retention_collects_the_lease_of_a_save_killed_before_its_folder(tmp_pat
 
     root = tmp_path / "run"
     root.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lease = root / f".{step_name(5)}.lease.json"
-    lease.write_text(json.dumps({
-        "host": socket.gethostname(), "kind": "save", "owner": "", "pid": int(dead.stdout),
-        "pid_start": 1, "renewed": 0.0, "replaces": [], "started": 0.0, "token": "0" * 32,
-        "ttl": 120.0,
-    }))  # fmt: skip
+    lease.write_text(
+        json.dumps(
+            {
+                "host": socket.gethostname(),
+                "kind": "save",
+                "owner": "",
+                "pid": int(dead.stdout),
+                "pid_start": 1,
+                "renewed": 0.0,
+                "replaces": [],
+                "started": 0.0,
+                "token": "0" * 32,
+                "ttl": 120.0,
+            }
+        )
+    )
     other = root / "notes.lease.json"  # not ours: never touched
     other.write_text("{}")
     with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:

@@ -73,12 +73,15 @@ def test_renames_then_only_then_strip(tmp_path):
     src = str(tmp_path / "titan")
     reshard_svc.save(TITAN, src)
     _, index = open_checkpoint(src)
-    out = select_tensors(index, only=["model.layers.*"], strip_prefix="model.",
-                         renames=parse_renames(TO_HF))  # fmt: skip
+    out = select_tensors(
+        index, only=["model.layers.*"], strip_prefix="model.", renames=parse_renames(TO_HF)
+    )
     assert sorted(out.tensors) == [
-        "layers.0.mlp.gate_proj.weight", "layers.0.self_attn.q_proj.weight",
-        "layers.1.mlp.gate_proj.weight", "layers.1.self_attn.q_proj.weight",
-    ]  # fmt: skip
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.1.mlp.gate_proj.weight",
+        "layers.1.self_attn.q_proj.weight",
+    ]
     assert out.tensors["layers.1.self_attn.q_proj.weight"].chunks == (
         index.tensors["layers.1.attention.wq.weight"].chunks
     )
@@ -109,7 +112,7 @@ def test_a_yaml_file_holds_rules_in_order(tmp_path):
 
 
 def test_the_spec_carries_renames_to_the_worker():
-    spec = ConvertSpec("/a", "/b", rename=TO_HF).checked()
+    spec = ConvertSpec(source="/a", target="/b", rename=TO_HF).checked()
     back = ConvertSpec.from_argv(spec.to_argv())
     assert back.rename == TO_HF and back == spec
     assert ConvertSpec.from_json({"source": "/a", "target": "/b", "rename": TO_HF}) == spec
@@ -122,8 +125,9 @@ def test_convert_with_renames_is_bitwise(tmp_path):
     from safetensors.torch import load_file
 
     got = load_file(f"{dst}/model-00001-of-00001.safetensors")
-    assert torch.equal(got["model.layers.1.mlp.gate_proj.weight"],
-                       TITAN["layers.1.feed_forward.w1.weight"])  # fmt: skip
+    assert torch.equal(
+        got["model.layers.1.mlp.gate_proj.weight"], TITAN["layers.1.feed_forward.w1.weight"]
+    )
     assert torch.equal(got["model.embed_tokens.weight"], TITAN["tok_embeddings.weight"])
     assert len(got) == len(TITAN)
 
@@ -149,14 +153,16 @@ def test_split_layers_reads_each_layer_from_stored_stacks(tmp_path):
             out[f"decoder.layers.{i}.mlp.fc1.weight"], sd["decoder.layers.mlp.fc1.weight"][i]
         )
         for e in range(2):
-            assert torch.equal(out[f"decoder.layers.{i}.mlp.experts.{e}.fc1.weight"],
-                               sd["decoder.layers.mlp.experts.fc1.weight"][i, e])  # fmt: skip
+            assert torch.equal(
+                out[f"decoder.layers.{i}.mlp.experts.{e}.fc1.weight"],
+                sd["decoder.layers.mlp.experts.fc1.weight"][i, e],
+            )
     with pytest.raises(UsageError, match="no tensor has a stacked"):
         reshard_svc.convert(dst, str(tmp_path / "again"), split_layers=True)
 
 
 def _stacked(name: str, shape: tuple[int, ...]) -> list[str]:
-    meta = TensorMeta(name, torch.float32, shape, None, ())
+    meta = TensorMeta(name=name, dtype=torch.float32, shape=shape, layout=None, chunks=())
     return [f"{a.kind}@{name.split('.')[a.after]}" for a in stacked_axes(meta, "reshard")]
 
 
@@ -164,20 +170,29 @@ def _stacked(name: str, shape: tuple[int, ...]) -> list[str]:
     ("name", "shape", "axes"),
     [
         # Megatron-Core 0.16's grouped and sequential experts share this key: [L, E, rows, cols]
-        ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 2, 4, 3),
-         ["layers@layers", "experts@experts"]),
-        ("optimizer.state.exp_avg_sq.decoder.layers.mlp.experts.experts.linear_fc2.weight",
-         (2, 2, 3, 4), ["layers@layers", "experts@experts"]),
+        (
+            "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+            (2, 2, 4, 3),
+            ["layers@layers", "experts@experts"],
+        ),
+        (
+            "optimizer.state.exp_avg_sq.decoder.layers.mlp.experts.experts.linear_fc2.weight",
+            (2, 2, 3, 4),
+            ["layers@layers", "experts@experts"],
+        ),
         # experts already one per key (singleton_local_shards; a model's local_experts.N)
         ("decoder.layers.mlp.experts.experts.3.linear_fc1.weight", (2, 4, 3), ["layers@layers"]),
-        ("decoder.layers.mlp.experts.local_experts.3.linear_fc1.weight", (2, 4, 3),
-         ["layers@layers"]),
+        (
+            "decoder.layers.mlp.experts.local_experts.3.linear_fc1.weight",
+            (2, 4, 3),
+            ["layers@layers"],
+        ),
         ("decoder.layers.mlp.router.weight", (2, 8, 16), ["layers@layers"]),
         ("decoder.layers.mlp.shared_experts.linear_fc1.weight", (2, 8, 16), ["layers@layers"]),
         ("decoder.layers.3.mlp.experts.experts.linear_fc1.weight", (4, 8, 16), ["experts@experts"]),
         ("decoder.final_layernorm.weight", (16,), []),
     ],
-)  # fmt: skip
+)
 def test_stacked_axes_follow_megatrons_keys(name, shape, axes):
     assert _stacked(name, shape) == axes
 
@@ -194,12 +209,14 @@ def test_grouped_experts_split_into_one_tensor_per_layer_and_expert(tmp_path):
     got = load_file(f"{dst}/model-00001-of-00001.safetensors")
     assert sorted(got) == [
         f"decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc1.weight"
-        for i in range(2) for e in range(2)
-    ]  # fmt: skip
+        for i in range(2)
+        for e in range(2)
+    ]
     for i in range(2):
         for e in range(2):
-            assert torch.equal(got[f"decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc1.weight"],
-                               w[i, e])  # fmt: skip
+            assert torch.equal(
+                got[f"decoder.layers.{i}.mlp.experts.experts.{e}.linear_fc1.weight"], w[i, e]
+            )
 
 
 @pytest.mark.parametrize(
@@ -223,8 +240,14 @@ def test_a_megatron_layer_axis_must_be_one_layer_per_chunk():
     from reshard_svc.format.index import Chunk
     from reshard_svc.layout import Box
 
-    two = Chunk(Box((0, 0), (2, 4)), "a.distcp", 0, 100, "torch_save")
-    meta = TensorMeta("decoder.layers.x.weight", torch.float32, (2, 4), None, (two,))
+    two = Chunk(box=Box((0, 0), (2, 4)), file="a.distcp", begin=0, end=100, encoding="torch_save")
+    meta = TensorMeta(
+        name="decoder.layers.x.weight",
+        dtype=torch.float32,
+        shape=(2, 4),
+        layout=None,
+        chunks=(two,),
+    )
     with pytest.raises(UsageError, match="not the stacked layers axis"):
         stacked_axes(meta, "megatron")
     assert stacked_axes(meta, "reshard")[0].kind == "layers"  # ours: its name is the record

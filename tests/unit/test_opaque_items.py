@@ -52,8 +52,9 @@ def test_convert_carries_opaque_items_verbatim(dcp_ckpt, tmp_path):
         for k, data in before.items():
             assert reshard_svc.read_blob(uri, k) == data, (uri, k)
     # The caller may decode them, safely, with torch's weights-only loader.
-    step = torch.load(io.BytesIO(reshard_svc.read_blob(again, "train_state.step")),
-                      weights_only=True)  # fmt: skip
+    step = torch.load(
+        io.BytesIO(reshard_svc.read_blob(again, "train_state.step")), weights_only=True
+    )
     assert step == 41
     r = reshard("inspect", again)
     assert r.returncode == 0 and "opaque items" in " ".join(r.stdout.split())
@@ -99,8 +100,10 @@ def test_plain_values_of_a_dcp_checkpoint_load_without_unpickling(tmp_path):
     (built by an unpickler that runs nothing), under torchtitan's flattened optimizer keys
     and under get_optimizer_state_dict's list of param groups alike."""
     path = str(tmp_path / "dcp")
-    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "params": ["w", "b"]},
-              {"lr": 1e-3, "betas": (0.8, 0.9), "eps": 1e-6, "params": ["n"]}]  # fmt: skip
+    groups = [
+        {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "params": ["w", "b"]},
+        {"lr": 1e-3, "betas": (0.8, 0.9), "eps": 1e-6, "params": ["n"]},
+    ]
     dcp.save(
         {
             "model": {"w": torch.randn(4, 4)},
@@ -125,8 +128,13 @@ def test_plain_values_of_a_dcp_checkpoint_load_without_unpickling(tmp_path):
     # converted to our format, it loads the same (the items travel with their keys)
     ours = str(tmp_path / "ours")
     reshard_svc.convert(path, ours, mesh="tp=1")
-    again = {k: {kk: type(vv)() if not isinstance(vv, torch.Tensor) else torch.zeros(4, 4)
-                 for kk, vv in v.items()} for k, v in want.items()}  # fmt: skip
+    again = {
+        k: {
+            kk: type(vv)() if not isinstance(vv, torch.Tensor) else torch.zeros(4, 4)
+            for kk, vv in v.items()
+        }
+        for k, v in want.items()
+    }
     again["optim"]["param_groups"] = []
     reshard_svc.load(again, ours)
     assert again["train_state"]["step"] == 41 and math.isnan(again["train_state"]["loss"])
@@ -136,8 +144,11 @@ def test_plain_values_of_a_dcp_checkpoint_load_without_unpickling(tmp_path):
 def test_a_pickled_object_that_is_not_plain_data_is_named_not_missing(tmp_path):
     path = str(tmp_path / "dcp")
     marker = tmp_path / "ran"
-    dcp.save({"w": torch.ones(2), "state": {"rng": Exploding(), "step": 3}},
-             checkpoint_id=path, no_dist=True)  # fmt: skip
+    dcp.save(
+        {"w": torch.ones(2), "state": {"rng": Exploding(), "step": 3}},
+        checkpoint_id=path,
+        no_dist=True,
+    )
     sd = {"w": torch.zeros(2), "state": {"rng": None, "step": 0}}
     with pytest.raises(StateDictError) as e:
         reshard_svc.load(sd, path)

@@ -19,7 +19,10 @@ from tests.unit.test_read_plan import ISZ, stored
 
 
 def specs(sizes: list[int]) -> list[FileSpec]:
-    return [FileSpec(f"shard-{i:05d}", 0, (), b"", n) for i, n in enumerate(sizes)]
+    return [
+        FileSpec(name=f"shard-{i:05d}", writer=0, entries=(), header=b"", size=n)
+        for i, n in enumerate(sizes)
+    ]
 
 
 def best_contiguous_max(sizes: list[int], workers: int) -> int:

@@ -59,18 +59,22 @@ def test_convert_runs_with_the_collector_off_and_restores_it(tmp_path):
     gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free goes to gc.garbage
     try:
         res = reshard_svc.convert(
-            src, dst, mesh="tp=1", max_memory="8KiB",
+            src,
+            dst,
+            mesh="tp=1",
+            max_memory="8KiB",
             progress=lambda _: during.append(gc.isenabled()),
-        )  # fmt: skip
+        )
         assert gc.isenabled()
         gc.collect()
         # With the collector paused, only reference cycles could outlive their use:
         # a run of many waves must leave none (no buffer or tensor kept by a cycle).
         ours = [  # other tests' threads may drop garbage of their own meanwhile
-            o for o in gc.garbage
+            o
+            for o in gc.garbage
             if isinstance(o, (torch.Tensor, bytearray, memoryview))
             or type(o).__module__.startswith("reshard_svc")
-        ]  # fmt: skip
+        ]
         assert res.waves > 10 and ours == []
     finally:
         gc.set_debug(0)

@@ -17,15 +17,21 @@ E4M3 = torch.float8_e4m3fn
 
 
 def meta(name: str, dtype: torch.dtype, *shape: int) -> TensorMeta:
-    return TensorMeta(name, dtype, shape, None, ())
+    return TensorMeta(name=name, dtype=dtype, shape=shape, layout=None, chunks=())
 
 
 def test_scales_are_known_by_their_fp8_weight():
-    ts = {m.name: m for m in [
-        meta("a.weight", E4M3, 256, 256), meta("a.weight_scale_inv", torch.float32, 2, 2),
-        meta("a.input_scale", torch.float32, 1), meta("b.weight", torch.bfloat16, 4, 4),
-        meta("b.weight_scale_inv", torch.float32, 1, 1), meta("c.weight_scale", torch.float32, 1),
-    ]}  # fmt: skip
+    ts = {
+        m.name: m
+        for m in [
+            meta("a.weight", E4M3, 256, 256),
+            meta("a.weight_scale_inv", torch.float32, 2, 2),
+            meta("a.input_scale", torch.float32, 1),
+            meta("b.weight", torch.bfloat16, 4, 4),
+            meta("b.weight_scale_inv", torch.float32, 1, 1),
+            meta("c.weight_scale", torch.float32, 1),
+        ]
+    }
     assert scale_tensors(ts) == {"a.weight_scale_inv": "a.weight", "a.input_scale": "a.weight"}
     assert list(fp8_pairs(ts)) == ["a.weight"]
 
@@ -40,9 +46,11 @@ def test_a_scale_that_does_not_tile_is_named():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.integers(1, 300), cols=st.integers(1, 300), lead=st.integers(0, 2),
+    rows=st.integers(1, 300),
+    cols=st.integers(1, 300),
+    lead=st.integers(0, 2),
     data=st.data(),
-)  # fmt: skip
+)
 def test_dequantizing_a_box_equals_the_whole_tensor_sliced(rows, cols, lead, data):
     g = torch.Generator().manual_seed(rows * 1000 + cols)
     shape = (*(2,) * lead, rows, cols)
@@ -58,8 +66,12 @@ def test_dequantizing_a_box_equals_the_whole_tensor_sliced(rows, cols, lead, dat
     box = Box(tuple(offs), tuple(sizes))
     sbox = scale_box(box)
     at = sbox  # the caller holds exactly the covering scale box here
-    got = dequantize_box(w[box.slices_in(Box((0,) * len(shape), shape))],
-                         box, s[sbox.slices_in(Box((0,) * len(shape), s.shape))], at,
-                         torch.bfloat16)  # fmt: skip
+    got = dequantize_box(
+        w[box.slices_in(Box((0,) * len(shape), shape))],
+        box,
+        s[sbox.slices_in(Box((0,) * len(shape), s.shape))],
+        at,
+        torch.bfloat16,
+    )
     want = whole[box.slices_in(Box((0,) * len(shape), shape))]
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -38,8 +38,10 @@ def stored(name: str, shape: tuple[int, ...], layout: Layout, at: int = 64) -> T
     chunks = []
     for k, item in enumerate(layout.write_items(shape, ISZ)):
         n = item.box.numel * ISZ
-        chunks.append(Chunk(item.box, f"{name}-{k}.safetensors", at, at + n))
-    return TensorMeta(name, torch.float32, shape, layout, tuple(chunks))
+        chunks.append(Chunk(box=item.box, file=f"{name}-{k}.safetensors", begin=at, end=at + n))
+    return TensorMeta(
+        name=name, dtype=torch.float32, shape=shape, layout=layout, chunks=tuple(chunks)
+    )
 
 
 @st.composite
@@ -88,8 +90,13 @@ def plan_for(shape, src, dst, budget, strategy, copies=1):
 @given(problems())
 def test_every_target_byte_reaches_each_holder_once(problem):
     _, plan, wanted = plan_for(*problem)
-    want = {(n, h.box, r) for n, hs in wanted.items() for h in hs if not h.box.is_empty
-            for r in h.holders}  # fmt: skip
+    want = {
+        (n, h.box, r)
+        for n, hs in wanted.items()
+        for h in hs
+        if not h.box.is_empty
+        for r in h.holders
+    }
     got: dict[tuple[str, Box, int], list[Box]] = {}
     reads = {r.id: r for w in plan.waves for r in w.reads}
     for w in plan.waves:
@@ -100,8 +107,7 @@ def test_every_target_byte_reaches_each_holder_once(problem):
             got.setdefault((t.tensor, t.box, p.dest), []).append(p.box)
     assert set(got) == want
     for (_, box, _), pieces in got.items():
-        local = [Box(tuple(o - b for o, b in zip(p.offsets, box.offsets)), p.sizes)
-                 for p in pieces]  # fmt: skip
+        local = [Box(tuple(o - b for o, b in zip(p.offsets, box.offsets)), p.sizes) for p in pieces]
         check_tiling(box.sizes, local, "target box")
 
 
@@ -180,8 +186,13 @@ def test_a_shared_template_plans_each_tensor_as_if_alone(problem):
         return {(reads[i].file, reads[i].begin, reads[i].box, frozenset(v)) for i, v in out.items()}
 
     for name, meta in index.tensors.items():
-        alone = plan_reads(CheckpointIndex(tensors={name: meta}, files={}), {name: wanted[name]},
-                           plan.world, budget, strategy=strategy)  # fmt: skip
+        alone = plan_reads(
+            CheckpointIndex(tensors={name: meta}, files={}),
+            {name: wanted[name]},
+            plan.world,
+            budget,
+            strategy=strategy,
+        )
         assert shape_of(plan, name) == shape_of(alone, name), name
 
 
@@ -195,8 +206,11 @@ def test_each_rank_sends_only_what_it_has_and_sees_its_own_pieces(problem):
     for w in plan.waves:
         reads = {r.id: r for r in w.reads}
         every = w.pieces
-        first = {(p.read, p.box, p.dest) for p in every if p.sender(reads[p.read].reader)
-                 == reads[p.read].reader}  # fmt: skip
+        first = {
+            (p.read, p.box, p.dest)
+            for p in every
+            if p.sender(reads[p.read].reader) == reads[p.read].reader
+        }
         for p in every:
             reader = reads[p.read].reader
             sender = p.sender(reader)
@@ -216,8 +230,9 @@ def test_a_replicated_tensor_is_read_once_and_every_holder_sends_about_one_copy(
     byte read once, readers striped over the holders, and the copies fanned out through
     the holders (a second round) so no rank sends much more than one copy; rows wider
     than a holder's share are cut along dim 1."""
-    index = CheckpointIndex(tensors={"w": stored("w", shape, Layout.parse("dp=64", "S(0)"))},
-                            files={})  # fmt: skip
+    index = CheckpointIndex(
+        tensors={"w": stored("w", shape, Layout.parse("dp=64", "S(0)"))}, files={}
+    )
     dst = Layout.parse("tp=48", "R")
     wanted = {"w": [Held(box=it.box, holders=it.holders) for it in dst.write_items(shape, ISZ)]}
     plan = plan_reads(index, wanted, 48, 1 << 30, strategy="exchange")
@@ -236,8 +251,10 @@ def test_tied_reads_spread_over_tensors_that_share_a_template():
     src, dst = Layout.parse("tp=2", "R"), Layout.parse("dp=4", "R")
     tensors = {f"n{i}": stored(f"n{i}", (64,), src) for i in range(8)}
     index = CheckpointIndex(tensors=tensors, files={})
-    wanted = {n: [Held(box=it.box, holders=it.holders) for it in dst.write_items((64,), ISZ)]
-              for n in tensors}  # fmt: skip
+    wanted = {
+        n: [Held(box=it.box, holders=it.holders) for it in dst.write_items((64,), ISZ)]
+        for n in tensors
+    }
     plan = plan_reads(index, wanted, 4, 1 << 20, strategy="exchange")
     assert plan.bytes_read() == [2 * 64 * ISZ] * 4
     assert max(plan.bytes_sent()) == min(plan.bytes_sent()) == 2 * 3 * 64 * ISZ
@@ -250,9 +267,18 @@ def test_repeated_plans_hit_the_cache():
     assert plan_for(shape, src, dst, 1 << 15, "exchange", 3)[1] is not a
     # the same chunks at other byte offsets are another plan
     index, _, wanted = plan_for(shape, src, dst, 1 << 16, "exchange", 3)
-    moved = {n: TensorMeta(m.name, m.dtype, m.shape, m.layout,
-                           tuple(Chunk(c.box, c.file, c.begin + 8, c.end + 8) for c in m.chunks))
-             for n, m in index.tensors.items()}  # fmt: skip
+    moved = {
+        n: TensorMeta(
+            name=m.name,
+            dtype=m.dtype,
+            shape=m.shape,
+            layout=m.layout,
+            chunks=tuple(
+                Chunk(box=c.box, file=c.file, begin=c.begin + 8, end=c.end + 8) for c in m.chunks
+            ),
+        )
+        for n, m in index.tensors.items()
+    }
     b = plan_reads(CheckpointIndex(tensors=moved, files={}), wanted, 2, 1 << 16)
     assert b is not a and {r.begin for w in b.waves for r in w.reads} != {
         r.begin for w in a.waves for r in w.reads

@@ -47,7 +47,7 @@ def authenticate(
     given = creds.credentials if creds and creds.scheme.lower() == "bearer" else ""
     if given:
         if settings.token and hmac.compare_digest(given.encode(), settings.token.encode()):
-            return Principal(ADMIN, frozenset({ADMIN}), via="shared-token")
+            return Principal(name=ADMIN, scopes=frozenset({ADMIN}), via="shared-token")
         verifier: JwtVerifier | None = request.app.state.jwt
         if verifier is not None and looks_like_jwt(given):
             who = verifier.verify(given)

@@ -45,7 +45,7 @@ class LauncherError(Exception):
     """The engine refused or failed a request (sbatch error, API error): the job fails."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Launch:
     """One attempt of a job, as the manager hands it to an engine."""
 

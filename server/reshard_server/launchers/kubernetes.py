@@ -54,8 +54,18 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
     ]
     if settings.k8s_storage_secret:
         for key in settings.k8s_secret_keys:
-            env.append({"name": key, "valueFrom": {"secretKeyRef": {
-                "name": settings.k8s_storage_secret, "key": key, "optional": True}}})  # fmt: skip
+            env.append(
+                {
+                    "name": key,
+                    "valueFrom": {
+                        "secretKeyRef": {
+                            "name": settings.k8s_storage_secret,
+                            "key": key,
+                            "optional": True,
+                        }
+                    },
+                }
+            )
     trainer: dict[str, Any] = {
         "image": settings.k8s_image,
         "numNodes": spec.nodes,
@@ -65,8 +75,10 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
     }
     if settings.k8s_gpus_per_node:
         gpus = str(settings.k8s_gpus_per_node)
-        trainer["resourcesPerNode"] = {"limits": {"nvidia.com/gpu": gpus},
-                                       "requests": {"nvidia.com/gpu": gpus}}  # fmt: skip
+        trainer["resourcesPerNode"] = {
+            "limits": {"nvidia.com/gpu": gpus},
+            "requests": {"nvidia.com/gpu": gpus},
+        }
     body: dict[str, Any] = {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainJob",
@@ -76,26 +88,36 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
             "labels": {
                 "app.kubernetes.io/managed-by": MANAGER,
                 "reshard.dev/job-id": launch.job_id,
-            },  # fmt: skip
+            },
         },
         "spec": {
             "runtimeRef": {
                 "apiGroup": GROUP,
                 "kind": "ClusterTrainingRuntime",
                 "name": settings.k8s_runtime,
-            },  # fmt: skip
+            },
             "trainer": trainer,
         },
     }
     if settings.k8s_service_account:
         pod_spec = {"serviceAccountName": settings.k8s_service_account}
-        body["spec"]["runtimePatches"] = [{
-            "manager": MANAGER,
-            "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{
-                "name": NODE_JOB,
-                "template": {"spec": {"template": {"spec": pod_spec}}},
-            }]}}},
-        }]  # fmt: skip
+        body["spec"]["runtimePatches"] = [
+            {
+                "manager": MANAGER,
+                "trainingRuntimeSpec": {
+                    "template": {
+                        "spec": {
+                            "replicatedJobs": [
+                                {
+                                    "name": NODE_JOB,
+                                    "template": {"spec": {"template": {"spec": pod_spec}}},
+                                }
+                            ]
+                        }
+                    }
+                },
+            }
+        ]
     return body
 
 
@@ -147,8 +169,15 @@ class KubernetesLauncher:
         return {"name": launch.name, "namespace": self.namespace}
 
     def status(self, handle: Handle) -> EngineStatus:
-        obj = self._api("get TrainJob", self.custom.get_namespaced_custom_object,
-                        GROUP, VERSION, handle["namespace"], PLURAL, handle["name"])  # fmt: skip
+        obj = self._api(
+            "get TrainJob",
+            self.custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            handle["namespace"],
+            PLURAL,
+            handle["name"],
+        )
         if obj is None:
             return EngineStatus("lost", f"TrainJob {handle['name']} no longer exists")
         conditions = {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []}
@@ -185,8 +214,9 @@ class KubernetesLauncher:
 
     def _pods(self, handle: Handle) -> list[Any]:
         selector = f"{JOBSET_LABEL}={handle['name']},{REPLICATED_JOB_LABEL}={NODE_JOB}"
-        pods = self._api("list pods", self.core.list_namespaced_pod, handle["namespace"],
-                         label_selector=selector)  # fmt: skip
+        pods = self._api(
+            "list pods", self.core.list_namespaced_pod, handle["namespace"], label_selector=selector
+        )
         items = list(pods.items) if pods is not None else []
         return sorted(items, key=lambda p: p.metadata.name)
 
@@ -205,14 +235,26 @@ class KubernetesLauncher:
         options = self._client.V1DeleteOptions(
             propagation_policy="Foreground", grace_period_seconds=0 if force else None
         )
-        self._api("delete TrainJob", self.custom.delete_namespaced_custom_object,
-                  GROUP, VERSION, handle["namespace"], PLURAL, handle["name"], body=options)  # fmt: skip
+        self._api(
+            "delete TrainJob",
+            self.custom.delete_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            handle["namespace"],
+            PLURAL,
+            handle["name"],
+            body=options,
+        )
 
     def logs(self, handle: Handle, offset: int, limit: int) -> tuple[bytes, int]:
         parts = []
         for pod in self._pods(handle):
-            text = self._api("read pod log", self.core.read_namespaced_pod_log,
-                             pod.metadata.name, handle["namespace"])  # fmt: skip
+            text = self._api(
+                "read pod log",
+                self.core.read_namespaced_pod_log,
+                pod.metadata.name,
+                handle["namespace"],
+            )
             parts.append(f"==> pod {pod.metadata.name} <==\n{text or ''}")
         data = "\n".join(parts).encode()
         return data[offset : offset + max(0, limit)], len(data)

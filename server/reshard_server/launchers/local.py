@@ -47,9 +47,13 @@ class LocalLauncher:
 
     def submit(self, launch: Launch) -> Handle:
         cmd = [
-            self.python, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={launch.spec.workers_per_node}", *launch.worker_argv(),
-        ]  # fmt: skip
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={launch.spec.workers_per_node}",
+            *launch.worker_argv(),
+        ]
         launch_id = f"{launch.name}-{uuid.uuid4().hex[:8]}"
         env = worker_env(launch.env, job_id=launch.job_id, launch_id=launch_id)
         with open(launch.log_path, "ab") as log:
@@ -65,10 +69,16 @@ class LocalLauncher:
                 preexec_fn=set_pdeathsig,  # noqa: PLW1509 - only calls prctl
             )
         self._procs[launch.job_id] = proc
-        logger.info("job %s: started %d workers (pid %d)", launch.job_id, launch.spec.workers,
-                    proc.pid)  # fmt: skip
-        return {"job_id": launch.job_id, "pid": proc.pid, "start": process_start(proc.pid),
-                "launch": launch_id, "log": str(launch.log_path)}  # fmt: skip
+        logger.info(
+            "job %s: started %d workers (pid %d)", launch.job_id, launch.spec.workers, proc.pid
+        )
+        return {
+            "job_id": launch.job_id,
+            "pid": proc.pid,
+            "start": process_start(proc.pid),
+            "launch": launch_id,
+            "log": str(launch.log_path),
+        }
 
     def status(self, handle: Handle) -> EngineStatus:
         proc = self._procs.get(handle["job_id"])

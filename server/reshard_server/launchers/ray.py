@@ -42,8 +42,17 @@ NEVER = ("RESHARD_TOKEN", "RESHARD_AUTH_FILE", "RESHARD_JWT_SECRET")
 def entrypoint(launch: Launch, python: str) -> str:
     """The shell command Ray runs for one attempt of a job."""
     spec = launch.spec
-    cmd = [python, "-m", "reshard_svc.jobs.ray_entry", "--nodes", str(spec.nodes),
-           "--workers-per-node", str(spec.workers_per_node), "--", *launch.worker_argv()]  # fmt: skip
+    cmd = [
+        python,
+        "-m",
+        "reshard_svc.jobs.ray_entry",
+        "--nodes",
+        str(spec.nodes),
+        "--workers-per-node",
+        str(spec.workers_per_node),
+        "--",
+        *launch.worker_argv(),
+    ]
     return shlex.join(cmd)
 
 
@@ -51,9 +60,10 @@ def runtime_env(launch: Launch) -> dict[str, Any]:
     """The job's environment on the cluster: its own variables and the storage settings."""
     env = worker_env(launch.env, job_id=launch.job_id)
     keep = {
-        k: v for k, v in env.items()
+        k: v
+        for k, v in env.items()
         if (k.startswith(PASSED_PREFIXES) or k in PASSED) and k not in NEVER
-    }  # fmt: skip
+    }
     return {"env_vars": keep}
 
 
@@ -87,9 +97,11 @@ class RayLauncher:
         sid = f"{launch.name}-{uuid.uuid4().hex[:8]}"
         try:
             self.client.submit_job(
-                entrypoint=entrypoint(launch, self.python), submission_id=sid,
-                runtime_env=runtime_env(launch), metadata={"reshard_job": launch.job_id},
-            )  # fmt: skip
+                entrypoint=entrypoint(launch, self.python),
+                submission_id=sid,
+                runtime_env=runtime_env(launch),
+                metadata={"reshard_job": launch.job_id},
+            )
         except LauncherError:
             raise
         except Exception as e:

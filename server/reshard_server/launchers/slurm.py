@@ -39,16 +39,34 @@ __all__ = ["SlurmLauncher", "render_script", "slurm_state"]
 
 logger = logging.getLogger(__name__)
 
-_PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
-            "SUSPENDED", "STAGE_OUT", "SIGNALING"}  # fmt: skip
+_PENDING = {
+    "PENDING",
+    "CONFIGURING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "STAGE_OUT",
+    "SIGNALING",
+}
 _RUNNING = {"RUNNING", "COMPLETING"}
 #: Reasons a pending job has that no amount of waiting fixes: the request exceeds what the
 #: partition, account or QOS allows.
 HOPELESS = {
-    "PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
-    "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
-    "QOSMaxCpuPerJobLimit", "QOSMaxGRESPerJob", "QOSMaxMemoryPerJob", "QOSMaxWallDurationPerJobLimit",
-}  # fmt: skip
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "PartitionConfig",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSMaxNodePerJobLimit",
+    "QOSMaxCpuPerJobLimit",
+    "QOSMaxGRESPerJob",
+    "QOSMaxMemoryPerJob",
+    "QOSMaxWallDurationPerJobLimit",
+}
 _FAILED_REASONS = {
     "FAILED": "the job failed",
     "CANCELLED": "the job was cancelled in Slurm",
@@ -99,8 +117,11 @@ def render_script(launch: Launch, settings: Settings, python: str, log: Path) ->
     ]
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={gpus}")
-    for flag, value in (("partition", settings.slurm_partition),
-                        ("account", settings.slurm_account), ("time", settings.slurm_time)):  # fmt: skip
+    for flag, value in (
+        ("partition", settings.slurm_partition),
+        ("account", settings.slurm_account),
+        ("time", settings.slurm_time),
+    ):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     worker = " ".join(shlex.quote(a) for a in launch.worker_argv())
@@ -180,8 +201,11 @@ class SlurmLauncher:
         job = self._json_job(jid, "squeue")
         if job is None:
             return None
-        return slurm_state(_state_text(job.get("job_state")), job.get("state_reason"),
-                           _exit_text(job.get("exit_code")))  # fmt: skip
+        return slurm_state(
+            _state_text(job.get("job_state")),
+            job.get("state_reason"),
+            _exit_text(job.get("exit_code")),
+        )
 
     def _scontrol(self, jid: str) -> EngineStatus | None:
         r = self._run("scontrol", "show", "job", jid)

@@ -24,9 +24,19 @@ def audit_log(
 ) -> AuditList:
     """The audit log, newest first. Tokens never appear in it."""
     rows = store.audit_log(limit, before, principal)
-    return AuditList(items=[
-        AuditEntry(seq=r.seq, at=datetime.fromtimestamp(r.at, tz=UTC), principal=r.principal,
-                   action=r.action, target=r.target, outcome=r.outcome, code=r.code,
-                   detail=r.detail, address=r.address)
-        for r in rows
-    ])  # fmt: skip
+    return AuditList(
+        items=[
+            AuditEntry(
+                seq=r.seq,
+                at=datetime.fromtimestamp(r.at, tz=UTC),
+                principal=r.principal,
+                action=r.action,
+                target=r.target,
+                outcome=r.outcome,
+                code=r.code,
+                detail=r.detail,
+                address=r.address,
+            )
+            for r in rows
+        ]
+    )

@@ -26,5 +26,11 @@ def metrics(request: Request) -> Response:
 @router.get("/v1/me")
 def me(who: PrincipalDep) -> dict[str, object]:
     """Who the token is: user, scopes, roots (null: every server root), quotas."""
-    return {"name": who.name, "scopes": sorted(who.scopes), "roots": who.roots,
-            "max_running": who.max_running, "max_queued": who.max_queued, "via": who.via}  # fmt: skip
+    return {
+        "name": who.name,
+        "scopes": sorted(who.scopes),
+        "roots": who.roots,
+        "max_running": who.max_running,
+        "max_queued": who.max_queued,
+        "via": who.via,
+    }

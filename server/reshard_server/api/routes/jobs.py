@@ -154,14 +154,20 @@ def job_logs(
             start = max(0, size - MAX_LOG_CHUNK)
             data, size = manager.launcher.logs(job.handle, start, MAX_LOG_CHUNK)
             text = "".join(data.decode(errors="replace").splitlines(keepends=True)[-tail:])
-            return JobLogs(id=job_id, offset=size - len(text.encode()), next_offset=size,
-                           size=size, text=text)  # fmt: skip
+            return JobLogs(
+                id=job_id, offset=size - len(text.encode()), next_offset=size, size=size, text=text
+            )
         data, size = manager.launcher.logs(job.handle, offset, MAX_LOG_CHUNK)
     except Exception as e:
         raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"cannot read the job's logs: {e}") from e
     start = min(offset, size)
-    return JobLogs(id=job_id, offset=start, next_offset=start + len(data), size=size,
-                   text=data.decode(errors="replace"))  # fmt: skip
+    return JobLogs(
+        id=job_id,
+        offset=start,
+        next_offset=start + len(data),
+        size=size,
+        text=data.decode(errors="replace"),
+    )
 
 
 @router.get("/{job_id}/events", response_class=StreamingResponse)
@@ -222,8 +228,11 @@ def post_event(
     given = creds.credentials if creds and creds.scheme.lower() == "bearer" else ""
     owner = store.by_token_hash(token_hash(given)) if given else None
     if owner is None:
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or unknown job token",
-                            headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing or unknown job token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     if not hmac.compare_digest(owner, job_id):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "this token belongs to another job")
     try:
