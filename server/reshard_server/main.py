@@ -20,8 +20,8 @@ __all__ = ["main"]
 
 
 def _settings_help() -> str:
-    """Every setting, its environment variable and default (the README has the table)."""
-    lines = ["settings (environment variables; the README's 'The control plane' explains them):"]
+    """Every setting, its environment variable and default (docs/control-plane.md explains them)."""
+    lines = ["settings (environment variables; docs/control-plane.md explains them):"]
     for name, field in Settings.model_fields.items():
         default = field.default if field.default_factory is None else field.default_factory()  # type: ignore[call-arg]
         shown = ",".join(default) if isinstance(default, list) else default

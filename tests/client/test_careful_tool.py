@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import reshard_svc
+from tests.support import docs
 from tests.support.cli import reshard
-
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.fixture
@@ -163,6 +162,6 @@ def test_server_help_names_every_setting():
 
 
 def test_the_readme_says_metrics_needs_the_token():
-    text = README.read_text()
+    text = docs.text()
     assert "`GET /healthz` | liveness; the only route that needs no token" in text
     assert "`GET /metrics` | Prometheus text (with the token" in text

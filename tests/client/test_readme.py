@@ -13,16 +13,11 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.support.docs import block
 
 
 def readme_code(marker: str) -> str:
-    text = README.read_text()
-    block = re.search(
-        rf"<!-- {marker}:start -->\s*```python\n(.*?)```\s*<!-- {marker}:end -->", text, re.S
-    )
-    assert block, f"README lost its {marker} section"
-    return block.group(1)
+    return block(marker, "python")
 
 
 def torchrun(script: Path, nproc: int, **env: str) -> subprocess.CompletedProcess[str]:

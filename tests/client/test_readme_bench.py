@@ -7,7 +7,6 @@ The full sizes take minutes and gigabytes; the small ones go through the same co
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -15,18 +14,13 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.support.docs import REPO, block
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def bench_commands() -> list[list[str]]:
-    text = README.read_text()
-    section = text[text.index("## Benchmarks") :]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    if block is None:
-        raise AssertionError("README lost its benchmark commands")
-    cmds = [shlex.split(line, comments=True) for line in block.group(1).splitlines()]
+    cmds = [shlex.split(line, comments=True) for line in block("bench", "bash").splitlines()]
     return [c for c in cmds if c]
 
 
@@ -76,7 +70,7 @@ def test_readme_bench_command_prints_json(cmd, tmp_path):
         raise AssertionError(f"unexpected README bench command {cmd}")
     script = cmd[1]
     argv = [sys.executable, *cmd[1:], *smoke_flags(script, tmp_path / "scratch")]
-    r = subprocess.run(argv, cwd=README.parent, capture_output=True, text=True, timeout=280)
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert lines, r.stdout

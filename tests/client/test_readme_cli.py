@@ -1,35 +1,28 @@
-"""Every command of the README's "CLI" section runs, in order, with the README's rules file."""
+"""Every command of the README's quick start and of the CLI guide (docs/cli.md) runs, in order,
+with the guide's rules file."""
 
 from __future__ import annotations
 
 import json
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import torch
 
 import reshard_svc
 from tests.support.cli import reshard
-
-README = Path(__file__).resolve().parents[2] / "README.md"
+from tests.support.docs import block
 
 
 def section(name: str, lang: str) -> str:
-    block = re.search(
-        rf"<!-- {name}:start -->\s*```{lang}\n(.*?)```\s*<!-- {name}:end -->",
-        README.read_text(),
-        re.S,
-    )
-    assert block, f"README lost its {name} block"
-    return block.group(1)
+    return block(name, lang)
 
 
-def commands() -> list[list[str]]:
+def commands(name: str = "cli") -> list[list[str]]:
     """Each ``reshard ...`` line, comment dropped; ``[--opt]`` parts run without, then with."""
     out = []
-    for line in section("cli", "bash").splitlines():
+    for line in section(name, "bash").splitlines():
         line = line.split("  #")[0].strip()
         if not line.startswith("reshard "):
             continue
@@ -41,7 +34,7 @@ def commands() -> list[list[str]]:
     return out
 
 
-def test_readme_cli_commands(tmp_path):
+def _tp8(tmp_path):
     g = torch.Generator().manual_seed(0)
     sd = {
         "model.layers.0.wqkv.weight": torch.randn(48, 32, generator=g),
@@ -54,6 +47,26 @@ def test_readme_cli_commands(tmp_path):
     reshard_svc.convert(
         str(tmp_path / "plain"), str(tmp_path / "ckpt-tp8"), mesh="tp=8", rules={"*": "S(0)"}
     )
+    return sd
+
+
+def test_readme_quickstart(tmp_path):
+    """The README's few commands, in the folder ``make demo`` leaves."""
+    sd = _tp8(tmp_path)
+    cmds = commands("quickstart")
+    assert len(cmds) >= 3
+    for argv in cmds:
+        r = reshard(*argv, cwd=tmp_path)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (
+            f"reshard {' '.join(argv)}: {r.stderr[-1500:]}"
+        )
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reshard_svc.load(out, str(tmp_path / "ckpt-tp4"))
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_cli_guide_commands(tmp_path):
+    sd = _tp8(tmp_path)
     (tmp_path / "rules.yaml").write_text(section("rules", "yaml"))
     cmds = commands()
     assert len(cmds) >= 8

@@ -295,19 +295,10 @@ def test_converting_a_torch_checkpointing_save_keeps_the_memory_budget(tmp_path)
 
 def test_readme_bridge_commands(megatron, tmp_path):
     """The README's "Coming from torchtitan or Megatron" commands, as written, in order."""
-    import re
     import shlex
     import shutil
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-
-    def block(name: str, lang: str) -> str:
-        m = re.search(
-            rf"<!-- {name}:start -->\s*```{lang}\n(.*?)```\s*<!-- {name}:end -->", text, re.S
-        )
-        assert m, f"README lost its {name} block"
-        return m.group(1)
+    from tests.support.docs import block
 
     run(fw.write_torch_checkpointing, 2, str(tmp_path / "titan-ckpt"), str(tmp_path / "t.st"), "tp")
     shutil.copytree(megatron[0], tmp_path / "megatron-ckpt")

@@ -182,17 +182,14 @@ def test_a_missing_or_mistiled_scale_is_named(tmp_path):
 
 def test_readme_fp8_commands(sources, tmp_path):
     """The README's FP8 commands, as written, in a folder holding ``fp8-ckpt``."""
-    import re
     import shlex
     import shutil
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    m = re.search(r"<!-- fp8:start -->\s*```bash\n(.*?)```\s*<!-- fp8:end -->", text, re.S)
-    assert m, "README lost its fp8 block"
+    from tests.support.docs import block
+
     sd, src = sources
     shutil.copytree(src["ours"], tmp_path / "fp8-ckpt")
-    lines = [ln.split("  #")[0].strip() for ln in m.group(1).splitlines()]
+    lines = [ln.split("  #")[0].strip() for ln in block("fp8", "bash").splitlines()]
     cmds = [shlex.split(ln)[1:] for ln in lines if ln.startswith("reshard ")]
     assert len(cmds) == 2
     for argv in cmds:

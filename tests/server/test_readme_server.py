@@ -10,24 +10,11 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 import torch
 
 import reshard_svc
+from tests.support.docs import block
 from tests.support.harness import free_port
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-pytestmark = pytest.mark.s3
-
-
-def block(name: str, lang: str) -> str:
-    found = re.search(
-        rf"<!-- {name}:start -->\s*```{lang}\n(.*?)```\s*<!-- {name}:end -->",
-        README.read_text(),
-        re.S,
-    )
-    assert found, f"README lost its {name} block"
-    return found.group(1)
 
 
 def test_readme_control_plane(s3, tmp_path):

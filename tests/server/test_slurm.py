@@ -103,13 +103,9 @@ def test_server_restart_reattaches_running_job(make_server, slurm, tmp_path):
 
 
 def readme_block(name: str) -> str:
-    import re
-    from pathlib import Path
+    from tests.support.docs import block
 
-    text = (Path(__file__).parents[2] / "README.md").read_text()
-    m = re.search(rf"<!-- {name}:start -->\s*```\w+\n(.*?)```\s*<!-- {name}:end -->", text, re.S)
-    assert m, f"README lost its {name} block"
-    return m.group(1)
+    return block(name)
 
 
 def test_readme_batch_script_runs_the_worker_without_a_server(slurm, tmp_path):

@@ -324,15 +324,13 @@ def test_jwts_from_an_identity_provider(tmp_path, make_server):
 def test_readme_users_block(tmp_path, make_server):
     """The README's users block, line by line, as written (paths moved under tmp)."""
     import json
-    import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    found = re.search(r"<!-- users:start -->\s*```bash\n(.*?)```", readme, re.S)
-    assert found, "README lost its users block"
+    from tests.support.docs import block
+
     auth = tmp_path / "users.yaml"
     env = {**os.environ, "RESHARD_TOKEN": TOKEN}
     bindir = Path(sys.executable).parent
-    for line in found.group(1).strip().splitlines():
+    for line in block("users", "bash").strip().splitlines():
         line = line.split("  #")[0].strip()
         if line.startswith("reshard ") and "RESHARD_URL" not in env:  # the server, by now
             env["RESHARD_URL"] = make_server(auth_file=str(auth)).url

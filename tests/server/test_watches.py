@@ -264,15 +264,14 @@ def test_readme_watch_lines(make_server, tmp_path):
     import subprocess
     import sys
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    found = re.search(r"<!-- watch:start -->\s*```bash\n(.*?)```\s*<!-- watch:end -->", text, re.S)
-    assert found, "README lost its watch block"
+    from tests.support.docs import block
+
     data = tmp_path / "data"
     lines = [
         re.sub(r"\[([^\]]+)\]", r"\1", line.split("  #")[0].strip())
         .replace("/data/", f"{data}/")
         .replace("WATCH_ID", "$WATCH_ID")
-        for line in found.group(1).strip().splitlines()
+        for line in block("watch", "bash").strip().splitlines()
     ]
     server = make_server(watch_interval_s=SCAN)
     env = {

@@ -208,9 +208,7 @@ def test_fifty_saves_do_not_grow_memory(tmp_path):
 def test_readme_steps_commands(tmp_path):
     """The README's ``reshard steps`` lines, on a root the manager wrote (and a partial step)."""
     import json
-    import re
     import shlex
-    from pathlib import Path
 
     from tests.support.cli import reshard
 
@@ -220,10 +218,9 @@ def test_readme_steps_commands(tmp_path):
             mgr.save(step, state(1.0))
     (root / step_name(300)).mkdir()
     (root / step_name(300) / "shard-00000-000.safetensors").write_bytes(b"x" * 10)
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = re.search(r"<!-- steps:start -->\s*```bash\n(.*?)```\s*<!-- steps:end -->", text, re.S)
-    assert block, "README lost its steps block"
-    lines = [ln.split("  #")[0].strip() for ln in block.group(1).splitlines() if ln.strip()]
+    from tests.support.docs import block
+
+    lines = [ln.split("  #")[0].strip() for ln in block("steps", "bash").splitlines() if ln.strip()]
     assert len(lines) == 2
     outs = []
     for line in lines:
