@@ -359,6 +359,7 @@ def convert(
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
     from reshard_client.runner import ProgressOut, leftovers, run_in_process, run_workers
     from reshard_svc.errors import ReshardError
+    from reshard_svc.format.target import preflight
     from reshard_svc.plan.names import load_renames
     from reshard_svc.plan.spec import ConvertSpec
 
@@ -385,7 +386,9 @@ def convert(
             split_layers=split_layers,
             dequantize=dequantize,
         ).checked()
-        spec.preflight()  # before any worker starts
+        preflight(
+            spec.source, spec.target, overwrite=spec.overwrite, model_folder=spec.format == "hf"
+        )
     except ReshardError as e:
         raise _fail(e) from None
     # SIGTERM (to this process or its group) stops the run as Ctrl-C does: cleanly.

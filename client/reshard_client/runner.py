@@ -39,6 +39,7 @@ from rich.progress import (
 )
 
 from reshard_svc._process import free_port, set_pdeathsig
+from reshard_svc.jobs.argv import worker_argv
 from reshard_svc.jobs.environment import worker_env
 
 __all__ = ["Outcome", "ProgressOut", "run_in_process", "run_workers", "leftovers"]
@@ -204,7 +205,7 @@ def run_workers(spec: Any, progress: ProgressOut) -> Outcome:
         "LOCAL_WORLD_SIZE": str(n),
         "GROUP_RANK": "0",
     }
-    cmd = [sys.executable, *spec.worker_argv(progress_file=progress_file)]
+    cmd = [sys.executable, *worker_argv(spec, progress_file=progress_file)]
     procs: list[subprocess.Popen[bytes]] = []
     outcome = Outcome(log_path=log_path)
     try:

@@ -32,8 +32,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from reshard_svc.errors import CheckpointError
-from reshard_svc.format.hf import HF_INDEX, check_model_folder, model_weights
+from reshard_svc.format.hf import HF_INDEX, model_weights
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.format.target import check_target
 from reshard_svc.storage import open_storage
 from reshard_svc.storage.base import CollectReport, Committer, LeaseState, LeaseStore, Storage
 from reshard_svc.storage.leases import Lease, LeaseRecord, parse
@@ -126,9 +127,7 @@ class TargetRun:
         self.lease = Lease.acquire(target, storage.uri, self.token, kind, on_stale)
         try:
             # under the lease: nobody commits meanwhile
-            target.check_target(overwrite, foreign_ok=model_folder)
-            if model_folder:
-                check_model_folder(target, overwrite)
+            check_target(target, overwrite, model_folder)
             try:
                 _collect_orphans(target, {self.token}, CollectReport(), dry_run=False)
             except Exception:  # housekeeping never fails the run itself

@@ -1,4 +1,6 @@
-"""Rank 0's progress reporter: events to a JSON-lines file and/or POSTed to the server.
+"""Progress events: their schema (``progress``, ``done``, ``error``: :func:`check_event`,
+read back by :func:`read_events`, which skips a half-written last line) and rank 0's
+reporter: events to a JSON-lines file and/or POSTed to the server.
 
 Under ``reshard-server`` the workers find ``RESHARD_CALLBACK_URL`` (the job's event route)
 and ``RESHARD_CALLBACK_TOKEN`` (a token the server minted for this job alone) in their
@@ -20,12 +22,87 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+from reshard_svc.errors import UsageError
 from reshard_svc.jobs.environment import CALLBACK_TIMEOUT_ENV, CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
-from reshard_svc.plan.spec import check_event
 
-__all__ = ["EventReporter"]
+EVENT_KINDS = ("progress", "done", "error")
+
+_EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "progress": {"bytes_done": int, "bytes_total": int, "tensors_done": int, "tensors_total": int},
+    "done": {
+        "strategy": str,
+        "seconds": (int, float),
+        "bytes_read": int,
+        "bytes_written": int,
+        "bytes_exchanged": int,
+        "tensors": int,
+    },
+    "error": {"error": str},
+}
+
+
+#: Fields an event may carry: a done event says how many tensors a cast changed or kept.
+_OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "done": {"cast": int, "kept": int, "dequantized": int},
+}
+
+
+def check_event(record: Any) -> dict[str, Any]:
+    """A well-formed event (``event`` in :data:`EVENT_KINDS` with its fields), or UsageError."""
+    if not isinstance(record, Mapping):
+        raise UsageError("an event must be a JSON object")
+    kind = record.get("event")
+    if kind not in _EVENT_FIELDS:
+        raise UsageError(f"event {kind!r} must be one of {', '.join(EVENT_KINDS)}")
+    out: dict[str, Any] = {"event": kind}
+    optional = _OPTIONAL_FIELDS.get(kind, {})
+    for name, typ in {**_EVENT_FIELDS[kind], **optional}.items():
+        value = record.get(name)
+        if name in optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, typ):
+            raise UsageError(f"{kind} event: {name} is missing or not a {typ}")
+        if isinstance(value, int | float) and value < 0:
+            raise UsageError(f"{kind} event: {name} must not be negative")
+        out[name] = value[:4000] if isinstance(value, str) else value
+    if isinstance(record.get("time"), int | float):
+        out["time"] = record["time"]
+    return out
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """Every well-formed event in a JSON-lines file; a half-written last line is skipped."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in text.splitlines():
+        try:
+            events.append(check_event(json.loads(line)))
+        except (json.JSONDecodeError, UsageError):
+            continue
+    return events
+
+
+def latest_events(
+    events: Iterable[dict[str, Any]],
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(newest ``progress`` event, first ``done``/``error`` event)."""
+    progress = final = None
+    for ev in events:
+        if ev["event"] == "progress":
+            progress = ev
+        elif final is None:
+            final = ev
+    return progress, final
+
+
+__all__ = ["EVENT_KINDS", "EventReporter", "check_event", "latest_events", "read_events"]
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,10 @@ from typing import Any, NoReturn
 from reshard_svc._collector import collector_paused
 from reshard_svc._process import set_pdeathsig
 from reshard_svc.errors import UsageError
+from reshard_svc.jobs.argv import build_parser, from_args
 from reshard_svc.jobs.environment import DIE_WITH_PARENT_ENV, JOB_ENV, PARENT_ENV, lease_owner
 from reshard_svc.jobs.events import EventReporter
-from reshard_svc.plan.spec import ConvertSpec, build_parser
+from reshard_svc.plan.spec import ConvertSpec
 from reshard_svc.storage import leases
 
 __all__ = ["build_parser", "main", "process_main"]
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
     reporter = EventReporter.from_env(args.progress_file) if rank == 0 else EventReporter()
     try:
-        spec = ConvertSpec.from_args(args)
+        spec = from_args(args)
     except UsageError as e:
         reporter.send({"event": "error", "error": f"UsageError: {e}"})
         reporter.close()

@@ -1,32 +1,27 @@
-"""The one job contract: what a conversion job is, how it is checked, how it travels.
-
-The worker (``python -m reshard_svc.worker``), the server and the CLI all speak it:
+"""The one job contract: what a conversion job is and how it is checked.
 
 - :class:`ConvertSpec` — source, target, mesh, rules, format, dtype (and what keeps its
   dtype), budgets, strategy, checksum, ``nodes`` × ``workers_per_node``.
   :meth:`ConvertSpec.checked` is the only place sizes, meshes, dtypes and choices are
   parsed; a bad value raises :class:`UsageError` naming the field. ``runtime.convert``
   runs a spec (``Conversion(spec)``), the server stores one, the CLI builds one.
-- :meth:`ConvertSpec.worker_argv` / :meth:`ConvertSpec.from_argv` — the worker's command
-  line, both ways (``from_argv(worker_argv(s)[2:]) == s``); every launcher starts the
-  worker with it.
-- Progress events — ``progress``, ``done`` and ``error`` records (:func:`check_event`),
-  written as JSON lines (:func:`read_events` tolerates a half-written last line) and posted
-  to the server by :mod:`reshard_svc.jobs.events`.
 
-This module imports neither torch nor the server, so anything may use it cheaply.
+How a spec travels is in ``jobs/``: the worker's command line both ways
+(:mod:`reshard_svc.jobs.argv`) and the progress events rank 0 sends
+(:mod:`reshard_svc.jobs.events`). What a target may be is checked by
+:mod:`reshard_svc.format.target`, before the workers start and again under the run's lease.
+
+This module does no I/O and imports neither torch nor the server, so anything may use it
+cheaply.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 from reshard_svc.errors import UsageError
@@ -36,22 +31,17 @@ __all__ = [
     "CHECKSUMS",
     "DEQUANTIZE",
     "DTYPES",
-    "EVENT_KINDS",
     "FORMATS",
     "STRATEGIES",
-    "WORKER_MODULE",
     "ConvertSpec",
     "Format",
     "Strategy",
-    "check_event",
     "format_mesh",
     "check_count",
-    "latest_events",
     "parse_dtype",
     "parse_mesh",
     "parse_rules",
     "parse_size",
-    "read_events",
 ]
 
 
@@ -75,8 +65,6 @@ class Strategy(StrEnum):
 FORMATS = tuple(f.value for f in Format)
 STRATEGIES = tuple(s.value for s in Strategy)
 CHECKSUMS = ("crc32c", "sha256", "none")
-#: The module every launcher runs on every worker (``python -m reshard_svc.worker``).
-WORKER_MODULE = "reshard_svc.worker"
 #: What ``dtype`` may cast floating-point tensors to (short name -> accepted spellings).
 DTYPES = {
     "bf16": ("bf16", "bfloat16"),
@@ -84,7 +72,6 @@ DTYPES = {
     "fp32": ("fp32", "float32", "float"),
     "fp64": ("fp64", "float64", "double"),
 }
-EVENT_KINDS = ("progress", "done", "error")
 MAX_WORKERS = 1 << 16
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]\+?(\d+))?\s*([A-Za-z]*)\s*$")
@@ -370,275 +357,3 @@ class ConvertSpec:
         out["format"], out["strategy"] = str(self.format), str(self.strategy)
         out["workers"] = self.workers
         return out
-
-    # ---- checks that need no worker
-
-    def check_paths(self, storage_options: Mapping[str, Any] | None = None) -> None:
-        """A :class:`UsageError` when the source and the target are the same folder."""
-        from reshard_svc.storage import open_storage
-
-        a = open_storage(self.source, storage_options)
-        b = open_storage(self.target, storage_options)
-        if type(a) is type(b) and a.root.rstrip("/") == b.root.rstrip("/"):
-            raise UsageError(
-                f"source and target are the same folder ({self.source}): convert into a new target"
-            )
-
-    def preflight(self, storage_options: Mapping[str, Any] | None = None) -> None:
-        """What can be refused before any worker starts: the same folder twice, a
-        committed target without ``overwrite``, a folder that is not a checkpoint, a model
-        folder's weights without ``overwrite``. (The run checks the target again, under
-        its lease.)"""
-        from reshard_svc.format.hf import check_model_folder
-        from reshard_svc.storage import open_storage
-
-        self.check_paths(storage_options)
-        target: Any = open_storage(self.target, storage_options)
-        hf = self.format == Format.HF
-        target.check_target(self.overwrite, foreign_ok=hf)
-        if hf:
-            check_model_folder(target, self.overwrite)
-
-    # ---- the worker's argument list, both ways
-
-    def worker_argv(self, **options: str | None) -> list[str]:
-        """``-m reshard_svc.worker convert SRC DST --flag value ...``: what every launcher
-        runs on every worker (after ``python``, or after ``torchrun`` and its options).
-
-        ``options`` are per-run extras such as ``progress_file``.
-        """
-        return ["-m", WORKER_MODULE, *self.to_argv(**options)]
-
-    def to_argv(self, **options: str | None) -> list[str]:
-        """``convert SRC DST --flag value ...``: the worker's arguments (see
-        :meth:`worker_argv`)."""
-        argv = [
-            "convert",
-            self.source,
-            self.target,
-            "--format",
-            str(self.format),
-            "--strategy",
-            str(self.strategy),
-            "--checksum",
-            self.checksum,
-        ]
-        if self.mesh:
-            argv += ["--mesh", format_mesh(self.mesh)]
-        if self.rules:
-            argv += ["--rules", json.dumps(self.rules)]
-        if self.overwrite:
-            argv.append("--overwrite")
-        for glob in self.only or ():
-            argv += ["--only", glob]
-        if self.split_layers:
-            argv.append("--split-layers")
-        for rule in self.rename or ():
-            argv += ["--rename", rule]
-        for glob in self.keep_dtype or ():
-            argv += ["--keep-dtype", glob]
-        if not self.copy_config:
-            argv.append("--no-copy-config")
-        for flag, value in (
-            ("--dtype", self.dtype),
-            ("--dequantize", self.dequantize),
-            ("--max-memory", self.max_memory),
-            ("--max-shard-size", self.max_shard_size),
-            ("--strip-prefix", self.strip_prefix),
-            *((f"--{k.replace('_', '-')}", v) for k, v in options.items()),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv
-
-    @classmethod
-    def from_argv(cls, argv: list[str], nodes: int = 1, workers_per_node: int = 1) -> ConvertSpec:
-        args = build_parser().parse_args(argv)
-        return cls.from_args(args, nodes, workers_per_node)
-
-    @classmethod
-    def from_args(
-        cls, args: argparse.Namespace, nodes: int = 1, workers_per_node: int = 1
-    ) -> ConvertSpec:
-        rules: Any = args.rules
-        if rules is not None:
-            stripped = rules.strip()
-            if stripped.startswith(("{", "[")):
-                try:
-                    rules = json.loads(stripped)
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"--rules is not valid JSON: {e}") from None
-            from reshard_svc.errors import LayoutError
-            from reshard_svc.plan.rules import load_rules
-
-            try:
-                rules = dict(load_rules(rules))
-            except LayoutError as e:
-                raise UsageError(str(e)) from None
-        return cls(
-            source=args.src,
-            target=args.dst,
-            mesh=parse_mesh(args.mesh),
-            rules=rules,
-            format=args.format,
-            dtype=args.dtype,
-            strategy=args.strategy,
-            checksum="none" if args.no_checksum else args.checksum,
-            max_memory=args.max_memory,
-            max_shard_size=args.max_shard_size,
-            nodes=nodes,
-            workers_per_node=workers_per_node,
-            overwrite=args.overwrite,
-            only=args.only,
-            strip_prefix=args.strip_prefix,
-            keep_dtype=args.keep_dtype,
-            copy_config=not args.no_copy_config,
-            rename=args.rename,
-            split_layers=args.split_layers,
-            dequantize=args.dequantize,
-            extra={"progress_file": args.progress_file},
-        ).checked()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The worker's command line (``python -m reshard_svc.worker convert ...``)."""
-    ap = argparse.ArgumentParser(
-        prog="python -m reshard_svc.worker",
-        description="Run one conversion on this worker; start every worker with torchrun.",
-    )
-    sub = ap.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="convert SRC into DST")
-    c.add_argument("src")
-    c.add_argument("dst")
-    c.add_argument("--mesh", help="target mesh, e.g. tp=4 or dp=2,tp=4")
-    c.add_argument("--rules", help="YAML/JSON file (or inline JSON): tensor glob -> placements")
-    c.add_argument("--format", choices=FORMATS, default="native")
-    c.add_argument("--dtype", help="cast floating-point tensors on the fly: bf16, fp16, fp32, fp64")
-    c.add_argument(
-        "--dequantize",
-        choices=DEQUANTIZE,
-        help="fp8-block: FP8 weights times their 128x128 block scales, cast to --dtype "
-        "(default bf16); the scales are dropped",
-    )
-    c.add_argument("--strategy", choices=STRATEGIES, default="auto")
-    c.add_argument("--max-memory", help="byte budget per worker, e.g. 1GiB")
-    c.add_argument("--max-shard-size", help="HF export: cap per file, e.g. 5GB")
-    c.add_argument(
-        "--checksum",
-        choices=CHECKSUMS,
-        default="crc32c",
-        help="what the output records: block CRC32Cs (default), plus sha256, or none",
-    )
-    c.add_argument("--no-checksum", action="store_true", help=argparse.SUPPRESS)
-    c.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a committed checkpoint at DST (other files there are kept)",
-    )
-    c.add_argument(
-        "--only",
-        action="append",
-        metavar="GLOB",
-        help="keep only tensors matching this glob (repeatable), e.g. 'model.*'",
-    )
-    c.add_argument(
-        "--rename",
-        action="append",
-        metavar="FROM_GLOB=TO_PATTERN",
-        help="rename tensors before --only/--strip-prefix (repeatable), e.g. "
-        "'layers.*.wq.weight=model.layers.*.q_proj.weight'",
-    )
-    c.add_argument(
-        "--split-layers",
-        action="store_true",
-        help="split stacked layers/experts axes (Megatron-Core) into per-layer names",
-    )
-    c.add_argument(
-        "--strip-prefix", metavar="PREFIX", help="drop this prefix from tensor names, e.g. 'model.'"
-    )
-    c.add_argument(
-        "--keep-dtype",
-        action="append",
-        metavar="GLOB",
-        help="with --dtype: leave tensors matching this glob as they are (repeatable)",
-    )
-    c.add_argument(
-        "--no-copy-config",
-        action="store_true",
-        help="--format hf: do not copy the source's config and tokenizer files",
-    )
-    c.add_argument("--progress-file", help="rank 0 appends JSON progress lines here")
-    return ap
-
-
-# ---------------------------------------------------------------- progress events
-
-_EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "progress": {"bytes_done": int, "bytes_total": int, "tensors_done": int, "tensors_total": int},
-    "done": {
-        "strategy": str,
-        "seconds": (int, float),
-        "bytes_read": int,
-        "bytes_written": int,
-        "bytes_exchanged": int,
-        "tensors": int,
-    },
-    "error": {"error": str},
-}
-
-
-#: Fields an event may carry: a done event says how many tensors a cast changed or kept.
-_OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "done": {"cast": int, "kept": int, "dequantized": int},
-}
-
-
-def check_event(record: Any) -> dict[str, Any]:
-    """A well-formed event (``event`` in :data:`EVENT_KINDS` with its fields), or UsageError."""
-    if not isinstance(record, Mapping):
-        raise UsageError("an event must be a JSON object")
-    kind = record.get("event")
-    if kind not in _EVENT_FIELDS:
-        raise UsageError(f"event {kind!r} must be one of {', '.join(EVENT_KINDS)}")
-    out: dict[str, Any] = {"event": kind}
-    optional = _OPTIONAL_FIELDS.get(kind, {})
-    for name, typ in {**_EVENT_FIELDS[kind], **optional}.items():
-        value = record.get(name)
-        if name in optional and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, typ):
-            raise UsageError(f"{kind} event: {name} is missing or not a {typ}")
-        if isinstance(value, int | float) and value < 0:
-            raise UsageError(f"{kind} event: {name} must not be negative")
-        out[name] = value[:4000] if isinstance(value, str) else value
-    if isinstance(record.get("time"), int | float):
-        out["time"] = record["time"]
-    return out
-
-
-def read_events(path: str | Path) -> list[dict[str, Any]]:
-    """Every well-formed event in a JSON-lines file; a half-written last line is skipped."""
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return []
-    events = []
-    for line in text.splitlines():
-        try:
-            events.append(check_event(json.loads(line)))
-        except (json.JSONDecodeError, UsageError):
-            continue
-    return events
-
-
-def latest_events(
-    events: Iterable[dict[str, Any]],
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(newest ``progress`` event, first ``done``/``error`` event)."""
-    progress = final = None
-    for ev in events:
-        if ev["event"] == "progress":
-            progress = ev
-        elif final is None:
-            final = ev
-    return progress, final

@@ -34,6 +34,7 @@ from reshard_svc.format.collect import TargetRun
 from reshard_svc.format.hf import HF_INDEX
 from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name
+from reshard_svc.format.target import check_distinct
 from reshard_svc.format.values import flat_values
 from reshard_svc.layout import Box, Mesh
 from reshard_svc.plan.items import Held, Piece, Wave
@@ -268,7 +269,7 @@ class Conversion:
     def open(self) -> None:
         """Open the source (rank 0 reads its index, all share it) and the target; rank 0
         checks the target and takes its lease."""
-        self.spec.check_paths(self.storage_options)
+        check_distinct(self.spec.source, self.spec.target, self.storage_options)
         self.open_source()
         self.open_target()
 

@@ -305,7 +305,7 @@ class JobManager(Ticker):
     # ---- requests
 
     def on_event(self, job_id: str, event: dict[str, Any]) -> None:
-        """A checked event from the job's rank 0 (see :func:`reshard_svc.plan.spec.check_event`)."""
+        """A checked event from the job's rank 0 (see :func:`reshard_svc.jobs.events.check_event`)."""
         if event["event"] == "progress":
             self.store.update(job_id, progress={k: event[k] for k in PROGRESS_KEYS})
         else:

@@ -20,6 +20,7 @@ import pytest
 from reshard_server.config import Settings
 from reshard_server.launchers import Launch
 from reshard_server.launchers.kubernetes import trainjob_body
+from reshard_svc.jobs.argv import from_argv
 from reshard_svc.plan.spec import ConvertSpec
 from tests.server.conftest import assert_holds, make_tp4, tensors
 from tests.support.k8s_schema import TrainJobInvalid, validate_trainjob
@@ -62,10 +63,7 @@ def test_trainjob_matches_the_trainer_schema(settings):
     assert body["metadata"]["name"] == "reshard-j1-2"  # deterministic: job id + attempt
     assert trainer["numNodes"] == 4 and trainer["numProcPerNode"] == 8
     assert trainer["command"][:3] == ["torchrun", "-m", "reshard_svc.worker"]
-    assert (
-        ConvertSpec.from_argv(trainer["command"][3:], 4, 8)
-        == launch(nodes=4, workers_per_node=8).spec
-    )
+    assert from_argv(trainer["command"][3:], 4, 8) == launch(nodes=4, workers_per_node=8).spec
     env = {e["name"]: e for e in trainer["env"]}
     assert len(env) == len(trainer["env"])  # each variable once
     assert env["RESHARD_JOB_ID"]["value"] == "j1"

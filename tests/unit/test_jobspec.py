@@ -12,16 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard_svc.errors import UsageError
-from reshard_svc.jobs.events import EventReporter
+from reshard_svc.jobs.argv import from_argv, to_argv
+from reshard_svc.jobs.events import EventReporter, latest_events, read_events
 from reshard_svc.plan.spec import (
     CHECKSUMS,
     FORMATS,
     STRATEGIES,
     ConvertSpec,
-    latest_events,
     parse_dtype,
     parse_size,
-    read_events,
 )
 
 names = st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True)
@@ -52,7 +51,7 @@ specs = st.builds(
 @given(specs)
 def test_argv_and_json_round_trip(spec):
     spec = spec.checked()
-    assert ConvertSpec.from_argv(spec.to_argv(), spec.nodes, spec.workers_per_node) == spec
+    assert from_argv(to_argv(spec), spec.nodes, spec.workers_per_node) == spec
     assert ConvertSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
 
 

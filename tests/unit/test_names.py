@@ -13,6 +13,7 @@ import reshard_svc
 from reshard_svc.errors import UsageError
 from reshard_svc.format.index import TensorMeta
 from reshard_svc.format.sources import open_checkpoint
+from reshard_svc.jobs.argv import from_argv, to_argv
 from reshard_svc.plan.names import (
     Rename,
     load_renames,
@@ -113,7 +114,7 @@ def test_a_yaml_file_holds_rules_in_order(tmp_path):
 
 def test_the_spec_carries_renames_to_the_worker():
     spec = ConvertSpec(source="/a", target="/b", rename=TO_HF).checked()
-    back = ConvertSpec.from_argv(spec.to_argv())
+    back = from_argv(to_argv(spec))
     assert back.rename == TO_HF and back == spec
     assert ConvertSpec.from_json({"source": "/a", "target": "/b", "rename": TO_HF}) == spec
 

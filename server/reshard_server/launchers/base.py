@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from reshard_svc._process import set_pdeathsig, tagged_pids
+from reshard_svc.jobs.argv import worker_argv
 from reshard_svc.jobs.environment import JOB_ENV, LAUNCH_ENV
 from reshard_svc.plan.spec import ConvertSpec
 
@@ -62,7 +63,7 @@ class Launch:
 
     def worker_argv(self) -> list[str]:
         """``-m reshard_svc.worker convert ...``: the spec's own worker command line."""
-        return self.spec.worker_argv()
+        return worker_argv(self.spec)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from reshard_server.db import JobRow
 from reshard_server.jobs import token_hash
 from reshard_server.schemas import JobCreate, JobList, JobLogs, JobPublic, JobState, ProgressPublic
 from reshard_svc.errors import UsageError
-from reshard_svc.plan.spec import check_event
+from reshard_svc.jobs.events import check_event
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Reader = Annotated[Principal, require("read")]
