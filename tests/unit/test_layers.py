@@ -139,3 +139,137 @@ def test_the_worker_environment_is_spelled_once():
                 if isinstance(node, ast.Constant) and node.value in names:
                     spelled.append(f"{path.name}:{node.lineno} {node.value}")
     assert spelled == []
+
+
+# ---------------------------------------------------------------- the three packages
+
+PACKAGES = {
+    "reshard_svc": ROOT,
+    "reshard_server": ROOT.parent / "server" / "reshard_server",
+    "reshard_client": ROOT.parent / "client" / "reshard_client",
+}
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, lazy ones included, but not those under ``if TYPE_CHECKING:``
+    (annotations only: they run nothing)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skip
+    ]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of the three packages it imports (``from pkg import mod``
+    counts as importing ``mod``; importing a submodule does not count as importing its
+    package's ``__init__``)."""
+    files = {}
+    for top, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = [top, *path.relative_to(root).with_suffix("").parts]
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for me, path in files.items():
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    kept = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(kept + ([base] if base else []))
+                names = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names
+                ]
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != me:
+                    graph[me].add(name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_package_imports_in_a_circle():
+    graph = import_graph()
+    assert len(graph) > 100
+    assert circles(graph) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_packages_point_one_way():
+    """reshard_svc knows neither the server nor the client; the server never imports the
+    client; the client uses only the server's shared request/response models."""
+    wrong = []
+    for me, targets in import_graph().items():
+        for target in targets:
+            top, other = me.split(".")[0], target.split(".")[0]
+            if top == "reshard_svc" and other != "reshard_svc":
+                wrong.append(f"{me} -> {target}")
+            if top == "reshard_server" and other == "reshard_client":
+                wrong.append(f"{me} -> {target}")
+            if (
+                top == "reshard_client"
+                and other == "reshard_server"
+                and target != "reshard_server.schemas"
+            ):
+                wrong.append(f"{me} -> {target}")
+    assert not wrong
+
+
+def test_the_cli_commands_share_one_app_and_nothing_else():
+    """``reshard_client.cli``: ``_app`` imports no other part of the CLI; ``local`` and
+    ``jobs`` import ``_app`` only; only the package's ``__init__`` imports them all."""
+    graph = import_graph()
+
+    def of_cli(name: str) -> bool:
+        return name == "reshard_client.cli" or name.startswith("reshard_client.cli.")
+
+    cli = {m: {t for t in ts if of_cli(t)} for m, ts in graph.items() if of_cli(m)}
+    assert cli["reshard_client.cli._app"] == set()
+    assert cli["reshard_client.cli.local"] == {"reshard_client.cli._app"}
+    assert cli["reshard_client.cli.jobs"] == {"reshard_client.cli._app"}
+    for m, ts in graph.items():
+        if not of_cli(m):
+            assert not {t for t in ts if of_cli(t) and t != "reshard_client.cli"}, m

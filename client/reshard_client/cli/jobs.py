@@ -1,5 +1,5 @@
-"""``reshard`` commands that talk to a reshard-server: submit, jobs, status, logs, cancel,
-wait. They register on the one ``app`` of :mod:`reshard_client.cli`."""
+"""Commands that talk to a reshard-server: ``submit``, ``jobs``, ``audit``, ``status``,
+``logs``, ``cancel``, ``wait``, ``watch``, ``watches``, ``unwatch``."""
 
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from reshard_client.cli import (
+from reshard_client.cli._app import (
     DequantizeOpt,
     OnlyOpt,
     OverwriteOpt,
     RenameOpt,
     SplitLayersOpt,
     StripPrefixOpt,
-    _fail,
-    _parse_mesh,
-    _parse_rules,
-    _size,
     app,
     err,
+    fail,
     out,
+    parse_mesh_option,
+    parse_rules_option,
+    size_text,
 )
 
 UrlOpt = Annotated[str | None, typer.Option("--url", envvar="RESHARD_URL", help="Server URL.")]
@@ -46,7 +46,7 @@ def _remote(fn: Any) -> Any:
     try:
         return fn()
     except ReshardClientError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
 
 
 def _wait_with_bar(client: Any, job_id: str, as_json: bool) -> Any:
@@ -78,7 +78,7 @@ def _print_job(job: Any, as_json: bool) -> None:
         f"[bold]{job.id}[/]  {job.state.value}  {job.source} -> {job.target}", highlight=False
     )
     out.print(
-        f"  progress {_size(p.bytes_done)} / {_size(p.bytes_total)}, "
+        f"  progress {size_text(p.bytes_done)} / {size_text(p.bytes_total)}, "
         f"{p.tensors_done}/{p.tensors_total} tensors; attempts {job.attempts}",
         highlight=False,
     )
@@ -143,10 +143,13 @@ def _job_options(flags: dict[str, Any]) -> dict[str, Any]:
 
     given = {k: flags[k] for k in JOB_FLAGS}
     try:
-        mesh_value, rules_value = _parse_mesh(given["mesh"]), _parse_rules(given["rules"])
+        mesh_value, rules_value = (
+            parse_mesh_option(given["mesh"]),
+            parse_rules_option(given["rules"]),
+        )
         renames = load_renames(given["rename"])
     except Exception as e:  # layout / rules / rename text errors
-        raise _fail(e) from None
+        raise fail(e) from None
     given.update(
         mesh=mesh_value,
         rules=rules_value,

@@ -1,11 +1,5 @@
-"""The ``reshard`` command line.
-
-Local commands (``inspect``, ``verify``, ``convert``, ``gc``) call reshard_svc directly;
-the server's commands are in :mod:`reshard_client.cli_jobs`. Exit codes: 0 ok, 1 the
-checkpoint has problems (verify) or the job did not succeed, 2 bad input or an error.
-"""
-
-from __future__ import annotations
+"""Local commands: ``inspect``, ``verify``, ``convert``, ``gc``, ``steps``, ``plan``; they
+call reshard_svc directly."""
 
 import contextlib
 import json
@@ -15,7 +9,6 @@ import sys
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -25,90 +18,22 @@ from rich.progress import (
 )
 from rich.table import Table
 
-# Options that `convert` and `submit` (cli_jobs.py) share, spelled once.
-OverwriteOpt = Annotated[
-    bool,
-    typer.Option(
-        "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
-    ),
-]
-OnlyOpt = Annotated[
-    list[str] | None,
-    typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
-]
-RenameOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        metavar="FROM_GLOB=TO_PATTERN",
-        help="Rename tensors before --only/--strip-prefix (repeatable; or a YAML file of "
-        "FROM: TO), e.g. 'layers.*.wq.weight=model.layers.*.self_attn.q_proj.weight'.",
-    ),
-]
-SplitLayersOpt = Annotated[
-    bool,
-    typer.Option(
-        "--split-layers",
-        help="Split Megatron-Core's stacked layers/experts axes into per-layer tensors "
-        "(decoder.layers.mlp.linear_fc1.weight [L, ...] -> decoder.layers.{i}.mlp...), "
-        "before --rename.",
-    ),
-]
-DequantizeOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="fp8-block: dequantize block-scaled FP8 weights (x their *_scale_inv per "
-        "128x128 block, in float32) to --dtype (default bf16) and drop the scales. Without "
-        "it, FP8 tensors and their scales keep their dtype under --dtype."
-    ),
-]
-StripPrefixOpt = Annotated[
-    str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
-]
-
-app = typer.Typer(
-    name="reshard",
-    help="Inspect, verify and reshard PyTorch distributed checkpoints.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+from reshard_client.cli._app import (
+    DequantizeOpt,
+    OnlyOpt,
+    OverwriteOpt,
+    RenameOpt,
+    SplitLayersOpt,
+    StripPrefixOpt,
+    app,
+    err,
+    fail,
+    out,
+    parse_mesh_option,
+    parse_rules_option,
+    size_text,
 )
-out = Console(soft_wrap=True)  # long lines are not broken (logs, pipes)
-err = Console(stderr=True, soft_wrap=True)
 
-
-def _version(value: bool) -> None:
-    if value:
-        from reshard_svc import __version__
-
-        out.print(f"reshard {__version__}", highlight=False)
-        raise typer.Exit(0)
-
-
-@app.callback()
-def _main(
-    version: Annotated[
-        bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
-    ] = False,
-) -> None:
-    """Inspect, verify and reshard PyTorch distributed checkpoints."""
-
-
-def _fail(e: Exception, code: int = 2) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {type(e).__name__}: {e}", highlight=False)
-    return typer.Exit(code)
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-#: box colours, cycled (distinct on dark and light terminals)
 PALETTE = (
     "red",
     "green",
@@ -141,7 +66,7 @@ def _draw_layout(index: Any, name: str, as_json: bool) -> None:
         hint = f"; did you mean {', '.join(near)}?" if near else ""
         from reshard_svc.errors import UsageError
 
-        raise _fail(
+        raise fail(
             UsageError(f"no tensor {name!r} in this checkpoint{hint} (reshard inspect lists them)")
         )
     pic = layout_picture(meta)
@@ -218,7 +143,7 @@ def inspect(
     try:
         index = do_inspect(uri)
     except ReshardError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     if layout is not None:
         return _draw_layout(index, layout, as_json)
     if as_json:
@@ -234,15 +159,15 @@ def inspect(
             "x".join(map(str, t.shape)) or "scalar",
             str(t.layout) if t.layout else "-",
             str(len(t.chunks)),
-            _size(t.nbytes),
+            size_text(t.nbytes),
         )
     out.print(table)
     out.print(
-        f"{len(index.tensors)} tensors, {_size(index.total_bytes)} in {len(index.files)} files"
+        f"{len(index.tensors)} tensors, {size_text(index.total_bytes)} in {len(index.files)} files"
         + (f"; extras: {', '.join(sorted(index.extras))}" if index.extras else "")
         + (
             "; opaque items (kept as bytes, never unpickled): "
-            + ", ".join(f"{k} ({_size(b.nbytes)})" for k, b in sorted(index.blobs.items()))
+            + ", ".join(f"{k} ({size_text(b.nbytes)})" for k, b in sorted(index.blobs.items()))
             if index.blobs
             else ""
         )
@@ -276,21 +201,21 @@ def verify(
         try:
             report = do_verify(uri, progress=progress)
         except Exception as e:  # storage failures outside the report
-            raise _fail(e) from None
+            raise fail(e) from None
     if as_json:
         sys.stdout.write(json.dumps(report.to_json(), indent=1) + "\n")
     elif report.complete:
         out.print(
             f"[green]ok[/] {uri}: {report.tensors} tensors, {report.files_checked} files, "
-            f"{_size(report.bytes_hashed)} checked ({report.checksum})",
+            f"{size_text(report.bytes_hashed)} checked ({report.checksum})",
             highlight=False,
         )
     elif report.ok:  # never "ok" for bytes nothing could check
-        checked = f"{_size(report.bytes_hashed)} checked, " if report.bytes_hashed else ""
+        checked = f"{size_text(report.bytes_hashed)} checked, " if report.bytes_hashed else ""
         out.print(
             f"[yellow]no problems found[/] in what could be checked in {uri}: "
             f"{report.tensors} tensors, {report.files_checked} files (sizes, headers, "
-            f"coverage); {checked}{_size(report.bytes_unchecked)} of data NOT checked: "
+            f"coverage); {checked}{size_text(report.bytes_unchecked)} of data NOT checked: "
             f"{'; '.join(report.unchecked)}",
             highlight=False,
         )
@@ -368,8 +293,8 @@ def convert(
         spec = ConvertSpec(
             source=src,
             target=dst,
-            mesh=_parse_mesh(mesh),
-            rules=_parse_rules(rules),
+            mesh=parse_mesh_option(mesh),
+            rules=parse_rules_option(rules),
             format=format,  # type: ignore[arg-type]
             dtype=dtype,
             keep_dtype=keep_dtype or None,
@@ -390,7 +315,7 @@ def convert(
             spec.source, spec.target, overwrite=spec.overwrite, model_folder=spec.format == "hf"
         )
     except ReshardError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     # SIGTERM (to this process or its group) stops the run as Ctrl-C does: cleanly.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -449,7 +374,7 @@ def _report(outcome: Any, what: str, as_json: bool) -> None:
     note = " (interrupted after the commit: it is complete)" if outcome.interrupted else ""
     out.print(
         f"[green]converted[/] {what}: {done['tensors']} tensors, "
-        f"{_size(done['bytes_written'])} written in {done['seconds']} s ({done['strategy']})"
+        f"{size_text(done['bytes_written'])} written in {done['seconds']} s ({done['strategy']})"
         f"{cast}{note}",
         highlight=False,
     )
@@ -475,7 +400,7 @@ def gc(
     try:
         report = collect(uri, dry_run=dry_run)
     except ReshardError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     if as_json:
         sys.stdout.write(json.dumps(report.to_json()) + "\n")
         return
@@ -522,7 +447,7 @@ def steps(
     try:
         rows = list_steps(root, keep_last=keep_last, keep_every=keep_every)
     except ReshardError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     if as_json:
         sys.stdout.write(json.dumps({"root": root, "steps": [r.to_json() for r in rows]}) + "\n")
         return
@@ -543,7 +468,7 @@ def steps(
         table.add_row(
             str(r.step),
             "committed" if r.committed else "partial",
-            _size(r.bytes),
+            size_text(r.bytes),
             age,
             r.policy or "-",
         )
@@ -597,8 +522,8 @@ def plan(
         spec = ConvertSpec(
             source=src,
             target=src.rstrip("/") + ".plan",
-            mesh=_parse_mesh(mesh),
-            rules=_parse_rules(rules),
+            mesh=parse_mesh_option(mesh),
+            rules=parse_rules_option(rules),
             format=format,  # type: ignore[arg-type]
             dtype=dtype,
             strategy=strategy,  # type: ignore[arg-type]
@@ -610,13 +535,13 @@ def plan(
         ).checked()
         report = dry_run(spec, world, load=load)
     except ReshardError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     if as_json:
         sys.stdout.write(json.dumps(report.to_json()) + "\n")
         return
     out.print(
         f"[bold]{report.mode}[/] of {src} on {report.world} worker(s): {report.strategy}, "
-        f"{report.tensors} tensors, {_size(report.bytes_total)} delivered, {report.waves} "
+        f"{report.tensors} tensors, {size_text(report.bytes_total)} delivered, {report.waves} "
         f"wave(s), {report.storage_requests} storage requests (planned in {report.plan_s} s)",
         highlight=False,
     )
@@ -627,40 +552,9 @@ def plan(
         ("read from storage", report.read),
         ("sent", report.sent),
         ("received", report.received),
-        (f"peak in flight (budget {_size(report.budget)})", report.peak_memory),
+        (f"peak in flight (budget {size_text(report.budget)})", report.peak_memory),
     ):
         table.add_row(
-            label, _size(spread.max), _size(int(spread.mean)), f"{spread.max_over_mean:.2f}"
+            label, size_text(spread.max), size_text(int(spread.mean)), f"{spread.max_over_mean:.2f}"
         )
     out.print(table)
-
-
-def _parse_mesh(mesh: str | None) -> dict[str, int] | None:
-    from reshard_svc.plan.spec import parse_mesh
-
-    return parse_mesh(mesh) if mesh else None
-
-
-def _parse_rules(rules: str | None) -> dict[str, Any] | None:
-    if not rules:
-        return None
-    from reshard_svc.plan.rules import load_rules
-
-    return dict(load_rules(rules))
-
-
-# The server commands (submit, jobs, status, logs, cancel, wait) register on ``app`` too.
-from reshard_client import cli_jobs  # noqa: E402, F401
-
-
-def main(argv: list[str] | None = None) -> Any:
-    """Console-script entry point."""
-    return app(args=argv)
-
-
-if __name__ == "__main__":
-    # Run the imported module's app, not this __main__ copy's: the server commands
-    # registered themselves on that one.
-    from reshard_client.cli import main as _entry
-
-    _entry()
