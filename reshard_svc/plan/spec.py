@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from reshard_svc.errors import UsageError
 from reshard_svc.layout.mesh import MAX_MESH_SIZE
@@ -33,7 +33,11 @@ __all__ = [
     "DTYPES",
     "FORMATS",
     "STRATEGIES",
+    "WORKERS",
     "ConvertSpec",
+    "Option",
+    "argument_help",
+    "options",
     "Format",
     "Strategy",
     "format_mesh",
@@ -255,36 +259,150 @@ def _uri(name: str, value: Any) -> str:
     return value
 
 
+Form = Literal[
+    "text", "dtype", "size", "choice", "flag", "negated", "list", "count", "mesh", "rules"
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """How one field of :class:`ConvertSpec` is offered: its help and its form. The CLI's
+    ``convert``, ``plan``, ``submit`` and ``watch`` options, the worker's command line
+    (:mod:`reshard_svc.jobs.argv`) and the server's request models are made from these.
+
+    ``form``: ``text``, ``dtype`` (``bf16``...), ``size`` (``1GiB``), ``choice`` (one of ``choices``), ``flag`` (off
+    unless given), ``negated`` (on unless ``--no-...`` is given), ``list`` (repeatable),
+    ``count`` (an int from 1), ``mesh`` (``dp=2,tp=4`` / a JSON object), ``rules`` (a
+    YAML/JSON file or inline JSON / a JSON object). ``placement`` marks where a job runs
+    (``nodes``, ``workers_per_node``) rather than what it does: a local ``convert`` takes
+    ``--workers`` instead, and the worker learns it from torchrun.
+    """
+
+    help: str
+    form: Form = "text"
+    metavar: str | None = None
+    choices: tuple[str, ...] = ()
+    placement: bool = False
+
+    def param(self, name: str) -> str:
+        """The command line's name for field ``name``: itself, ``no_copy_config`` for a
+        negated one."""
+        return f"no_{name}" if self.form == "negated" else name
+
+    def flag(self, name: str) -> str:
+        """The command-line flag: ``--max-memory``; ``--no-copy-config`` for a negated one."""
+        return "--" + self.param(name).replace("_", "-")
+
+    def flag_help(self) -> str:
+        """The flag's help (a negated flag turns the field's behaviour off)."""
+        return f"turn off: {self.help}" if self.form == "negated" else self.help
+
+
+def _option(default: Any, help: str, form: Form = "text", **kw: Any) -> Any:
+    return field(default=default, metadata={"option": Option(help=help, form=form, **kw)})
+
+
 @dataclass(frozen=True, kw_only=True)
 class ConvertSpec:
-    """One conversion: ``source`` -> ``target`` on ``nodes`` × ``workers_per_node`` workers."""
+    """One conversion: ``source`` -> ``target`` on ``nodes`` × ``workers_per_node`` workers.
 
-    source: str
-    target: str
-    mesh: dict[str, int] | None = None
-    rules: dict[str, str | list[str]] | None = None
-    format: Format = Format.NATIVE
-    dtype: str | None = None
-    #: tensor-name globs whose dtype a cast leaves alone (0-dim scalars never cast)
-    keep_dtype: list[str] | None = None
-    strategy: Strategy = Strategy.AUTO
-    checksum: str = "crc32c"
-    max_memory: str | None = None
-    max_shard_size: str | None = None
-    nodes: int = 1
-    workers_per_node: int = 1
-    overwrite: bool = False
-    only: list[str] | None = None
-    strip_prefix: str | None = None
-    #: ``FROM_GLOB=TO_PATTERN`` rules applied, in order, before ``only``/``strip_prefix``
-    rename: list[str] | None = None
-    #: split Megatron-style stacked ``layers``/``experts`` axes into per-layer names first
-    split_layers: bool = False
-    #: ``fp8-block``: FP8 weights times their 128x128 block scales, cast to ``dtype`` (bf16
-    #: by default); the scales are dropped (see :mod:`reshard_svc.plan.quant`)
-    dequantize: str | None = None
-    #: an HF export copies the source's config and tokenizer files (when it has them)
-    copy_config: bool = True
+    The only place the options are declared: each field's :class:`Option` (its help and
+    form) and default make every other spelling of them (see :func:`options`)."""
+
+    source: str = field(metadata={"argument": "checkpoint to read: a folder or URI"})
+    target: str = field(metadata={"argument": "new checkpoint (or HF model folder) to write"})
+    mesh: dict[str, int] | None = _option(
+        None, "target mesh, e.g. tp=4 or dp=2,tp=4 (without rules: the source's placements)", "mesh"
+    )
+    rules: dict[str, str | list[str]] | None = _option(
+        None,
+        "tensor-name glob -> placements, first match wins (a YAML/JSON file, or inline JSON)",
+        "rules",
+    )
+    format: Format = _option(
+        Format.NATIVE,
+        "native, or hf for one consolidated Hugging Face folder",
+        "choice",
+        choices=FORMATS,
+    )
+    dtype: str | None = _option(
+        None,
+        "cast floating-point tensors of 1+ dims to bf16, fp16, fp32 or fp64 (0-dim scalars, "
+        "such as an optimizer's step, and FP8 tensors keep theirs)",
+        "dtype",
+    )
+    keep_dtype: list[str] | None = _option(
+        None,
+        "with dtype: leave tensors matching this glob as they are (repeatable)",
+        "list",
+        metavar="GLOB",
+    )
+    strategy: Strategy = _option(
+        Strategy.AUTO,
+        "how to read: exchange (each byte once, then moved), direct, or auto (the cheaper)",
+        "choice",
+        choices=STRATEGIES,
+    )
+    checksum: str = _option(
+        "crc32c",
+        "what the output records: crc32c (block CRCs, checked on every read), sha256 (those "
+        "plus a whole-file sha256) or none",
+        "choice",
+        choices=CHECKSUMS,
+    )
+    max_memory: str | None = _option(
+        None,
+        "byte budget per worker, e.g. 1GiB (default: 1GiB for a convert, 512MiB for a load)",
+        "size",
+    )
+    max_shard_size: str | None = _option(
+        None, "HF export: cap per file, e.g. 5GB (the default)", "size"
+    )
+    nodes: int = _option(1, "nodes (torchrun agents) the job runs on", "count", placement=True)
+    workers_per_node: int = _option(
+        1,
+        "workers per node (GPUs per node; default: workers / nodes, else 1)",
+        "count",
+        placement=True,
+    )
+    overwrite: bool = _option(
+        False, "replace a committed checkpoint at the target (other files there are kept)", "flag"
+    )
+    only: list[str] | None = _option(
+        None,
+        "keep only tensors matching this glob (repeatable), e.g. 'model.*'",
+        "list",
+        metavar="GLOB",
+    )
+    strip_prefix: str | None = _option(
+        None, "drop this prefix from tensor names, e.g. 'model.'", metavar="PREFIX"
+    )
+    rename: list[str] | None = _option(
+        None,
+        "rename tensors before only/strip-prefix (repeatable, first match wins; the CLI also "
+        "takes a YAML file of FROM: TO), e.g. 'layers.*.wq.weight=model.layers.*.q_proj.weight'",
+        "list",
+        metavar="FROM_GLOB=TO_PATTERN",
+    )
+    split_layers: bool = _option(
+        False,
+        "split Megatron-Core's stacked layers/experts axes into per-layer tensors "
+        "(decoder.layers.mlp.linear_fc1.weight [L, ...] -> decoder.layers.{i}.mlp...), before rename",
+        "flag",
+    )
+    dequantize: str | None = _option(
+        None,
+        "fp8-block: block-scaled FP8 weights times their *_scale_inv per 128x128 block (in "
+        "float32), cast to dtype (default bf16); the scales are dropped. Without it, FP8 "
+        "tensors and their scales keep their dtype",
+        "choice",
+        choices=DEQUANTIZE,
+    )
+    copy_config: bool = _option(
+        True,
+        "an HF export copies the source's config and tokenizer files (when it has them)",
+        "negated",
+    )
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -357,3 +475,60 @@ class ConvertSpec:
         out["format"], out["strategy"] = str(self.format), str(self.strategy)
         out["workers"] = self.workers
         return out
+
+
+#: ``workers`` in a job body (and ``--workers`` of ``submit``): nodes × workers_per_node,
+#: a shorthand :meth:`ConvertSpec.from_json` reads as ``workers_per_node`` on ``nodes``
+WORKERS = Option(help="total workers = nodes x workers_per_node (a shorthand)", form="count")
+
+
+def options(*, placement: bool = True) -> list[tuple[str, Any, Option]]:
+    """``(name, default, option)`` of every :class:`ConvertSpec` option, in declaration
+    order (``placement=False`` leaves out ``nodes`` and ``workers_per_node``)."""
+    out = []
+    for f in fields(ConvertSpec):
+        opt = f.metadata.get("option")
+        if opt is not None and (placement or not opt.placement):
+            out.append((f.name, f.default, opt))
+    return out
+
+
+def argument_help(name: str) -> str:
+    """The help of ``source`` or ``target``."""
+    return str(next(f for f in fields(ConvertSpec) if f.name == name).metadata["argument"])
+
+
+def options_from_text(values: Mapping[str, Any], *, placement: bool = True) -> dict[str, Any]:
+    """Command-line values (keyed by :meth:`Option.param`, as typed) as spec fields: a mesh
+    parsed (``dp=2,tp=4``), rules read (a YAML/JSON file, or inline JSON), renames read
+    (``FROM=TO`` texts, or files of them); a negated flag given turns its field off.
+    Options not given (None, False, empty) are left out: they keep their defaults."""
+    out: dict[str, Any] = {}
+    for name, _, opt in options(placement=placement):
+        value = values.get(opt.param(name))
+        if value is None or value is False or (isinstance(value, list | tuple) and not value):
+            continue
+        if opt.form == "negated":
+            value = False
+        elif opt.form == "mesh":
+            value = parse_mesh(value)
+        elif opt.form == "rules":
+            value = _rules_text(value)
+        elif name == "rename":
+            from reshard_svc.plan.names import load_renames
+
+            value = [str(r) for r in load_renames(list(value)) or ()] or None
+        elif opt.form == "list":
+            value = list(value)
+        out[name] = value
+    return out
+
+
+def _rules_text(text: str) -> dict[str, Any]:
+    from reshard_svc.errors import LayoutError
+    from reshard_svc.plan.rules import load_rules
+
+    try:
+        return dict(load_rules(text))
+    except LayoutError as e:
+        raise UsageError(str(e)) from None

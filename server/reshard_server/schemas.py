@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -14,18 +14,19 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from reshard_svc.plan.spec import (
-    CHECKSUMS,
-    DEQUANTIZE,
-    FORMATS,
     MAX_WORKERS,
-    STRATEGIES,
+    WORKERS,
     ConvertSpec,
+    Option,
+    argument_help,
     check_count,
+    options,
     parse_dtype,
     parse_mesh,
     parse_rules,
@@ -60,101 +61,93 @@ class JobState(StrEnum):
         return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
 
 
-class ConvertOptions(BaseModel):
-    """How a conversion reshapes what it reads (everything but where from and where to):
-    shared by a job and a watch's jobs."""
+class _Options(BaseModel):
+    """What every conversion body shares: no unknown field, and each option parsed as
+    :meth:`ConvertSpec.checked` parses it (a 422 names the field)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mesh: dict[str, StrictInt] | None = Field(
-        default=None, description='target mesh, e.g. {"tp": 2} or {"dp": 2, "tp": 4}'
-    )
-    rules: dict[str, str | list[str]] | None = Field(
-        default=None, description="tensor-name glob -> placements, first match wins"
-    )
-    format: Literal[FORMATS] = "native"  # type: ignore[valid-type]
-    dtype: str | None = Field(
-        default=None,
-        description="cast floating-point tensors of 1+ dims to bf16, fp16, fp32 or fp64 "
-        "(0-dim scalars keep theirs)",
-    )
-    keep_dtype: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
-        default=None, max_length=1000, description="with dtype: tensor globs that keep theirs"
-    )
-    nodes: StrictInt = Field(default=1, description="nodes (torchrun agents) the job runs on")
-    workers_per_node: StrictInt | None = Field(
-        default=None, description="workers per node (default: workers / nodes, else 1)"
-    )
-    workers: StrictInt | None = Field(
-        default=None, description="total workers = nodes x workers_per_node (shorthand)"
-    )
-    strategy: Literal[STRATEGIES] = "auto"  # type: ignore[valid-type]
-    checksum: Literal[CHECKSUMS] = Field(  # type: ignore[valid-type]
-        default="crc32c", description="what the output records (crc32c block CRCs by default)"
-    )
-    max_memory: str | None = Field(
-        default=None, max_length=32, description="per-worker budget, e.g. 1GiB"
-    )
-    max_shard_size: str | None = Field(
-        default=None, max_length=32, description="HF export: cap per file, e.g. 5GB"
-    )
-    overwrite: StrictBool = Field(
-        default=False,
-        description="replace a committed checkpoint at the target (other files there are kept)",
-    )
-    only: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
-        default=None, max_length=1000, description="keep only tensors matching these globs"
-    )
-    strip_prefix: str | None = Field(
-        default=None, min_length=1, max_length=1024, description="drop this name prefix"
-    )
-    copy_config: StrictBool = Field(
-        default=True, description="an HF export copies the source's config and tokenizer files"
-    )
-    rename: list[str] | None = Field(
-        default=None,
-        max_length=1000,
-        description="FROM_GLOB=TO_PATTERN rules applied in order before only/strip_prefix",
-    )
-    split_layers: StrictBool = Field(
-        default=False,
-        description="split Megatron-Core's stacked layers/experts axes into per-layer tensors",
-    )
-    dequantize: Literal[DEQUANTIZE] | None = Field(  # type: ignore[valid-type]
-        default=None,
-        description="fp8-block: FP8 weights x their 128x128 block scales, cast to dtype "
-        "(default bf16); the scales are dropped",
-    )
-
-    @field_validator("mesh", mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _mesh(cls, v: Any) -> Any:
-        return parse_mesh(v) if isinstance(v, dict) else v
-
-    @field_validator("rules")
-    @classmethod
-    def _rules(cls, v: Any) -> Any:
-        return parse_rules(v)
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str | None) -> str | None:
-        return parse_dtype(v)
-
-    @field_validator("max_memory", "max_shard_size")
-    @classmethod
-    def _size(cls, v: str | None, info: ValidationInfo) -> str | None:
-        parse_size(v, info.field_name or "size")
+    def _before(cls, v: Any, info: ValidationInfo) -> Any:
+        opt = _FORMS.get(info.field_name or "")
+        if opt is not None and opt.form == "mesh" and isinstance(v, dict):
+            return parse_mesh(v)
         return v
 
-    @field_validator("nodes", "workers_per_node", "workers")
+    @field_validator("*")
     @classmethod
-    def _count(cls, v: int | None, info: ValidationInfo) -> int | None:
-        return None if v is None else check_count(info.field_name or "count", v, MAX_WORKERS)
+    def _after(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.field_name or ""
+        opt = _FORMS.get(name)
+        if v is None or opt is None:
+            return v
+        if opt.form == "rules":
+            return parse_rules(v)
+        if opt.form == "dtype":
+            return parse_dtype(v)
+        if opt.form == "size":
+            parse_size(v, name)
+        if opt.form == "count":
+            return check_count(name, v, MAX_WORKERS)
+        return v
 
     def options(self) -> dict[str, Any]:
         """The conversion options that were given, as a job body's fields."""
-        return self.model_dump(include=set(ConvertOptions.model_fields), exclude_none=True)
+        return self.model_dump(include=set(OPTION_FIELDS), exclude_none=True)
+
+
+_FORMS: dict[str, Option] = {name: opt for name, _, opt in options()} | {"workers": WORKERS}
+_GLOB = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+def _json_field(default: Any, opt: Option) -> tuple[Any, Any]:
+    """A spec option as a JSON field: its type by form, its default (counts: unset, the
+    spec's default or derived from ``workers``), its help as the description."""
+    form, text = opt.form, opt.help
+    if form == "mesh":
+        return dict[str, StrictInt] | None, Field(default=None, description=text)
+    if form == "rules":
+        return dict[str, str | list[str]] | None, Field(default=None, description=text)
+    if form == "choice":
+        kind: Any = Literal[opt.choices]  # type: ignore[valid-type]
+        if default is None:
+            return kind | None, Field(default=None, description=text)
+        return kind, Field(default=str(default), description=text)
+    if form in ("flag", "negated"):
+        return StrictBool, Field(default=default, description=text)
+    if form == "list":
+        return list[_GLOB] | None, Field(default=None, max_length=1000, description=text)
+    if form == "count":
+        unset = "" if default is None else f" (default {default})"
+        return StrictInt | None, Field(default=None, description=text + unset)
+    if form == "size":
+        return str | None, Field(default=None, max_length=32, description=text)
+    return str | None, Field(default=None, min_length=1, max_length=1024, description=text)
+
+
+_FIELDS: dict[str, Any] = {name: _json_field(default, opt) for name, default, opt in options()}
+_FIELDS["workers"] = _json_field(None, WORKERS)
+#: the fields of a conversion's options in a body (every spec option, and ``workers``)
+OPTION_FIELDS = frozenset(_FIELDS)
+
+if TYPE_CHECKING:
+
+    class ConvertOptions(_Options):
+        """(For type checkers: the fields are made at import from the spec's options.)"""
+
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    ConvertOptions = create_model(
+        "ConvertOptions",
+        __base__=_Options,
+        __module__=__name__,
+        __doc__="How a conversion reshapes what it reads (everything but where from and where "
+        "to): shared by a job, a plan and a watch's jobs. Made from the options "
+        ":class:`reshard_svc.plan.spec.ConvertSpec` declares.",
+        **_FIELDS,
+    )
 
 
 class JobCreate(ConvertOptions):
@@ -165,9 +158,11 @@ class JobCreate(ConvertOptions):
     """
 
     source: Annotated[
-        str, Field(min_length=1, max_length=4096, description="checkpoint URI to read")
+        str, Field(min_length=1, max_length=4096, description=argument_help("source"))
     ]
-    target: Annotated[str, Field(min_length=1, max_length=4096, description="new checkpoint URI")]
+    target: Annotated[
+        str, Field(min_length=1, max_length=4096, description=argument_help("target"))
+    ]
 
     @model_validator(mode="after")
     def _contract(self) -> JobCreate:

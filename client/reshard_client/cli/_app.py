@@ -3,66 +3,21 @@ the options ``convert`` and ``submit`` both take. Imports no other part of the C
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
 __all__ = [
-    "DequantizeOpt",
-    "OnlyOpt",
-    "OverwriteOpt",
-    "RenameOpt",
-    "SplitLayersOpt",
-    "StripPrefixOpt",
     "app",
     "err",
     "fail",
     "main",
     "out",
-    "parse_mesh_option",
-    "parse_rules_option",
     "size_text",
-]
-
-# Options that `convert` (local.py) and `submit` (jobs.py) share, spelled once.
-OverwriteOpt = Annotated[
-    bool,
-    typer.Option(
-        "--overwrite", help="Replace a committed checkpoint at DST (other files are kept)."
-    ),
-]
-OnlyOpt = Annotated[
-    list[str] | None,
-    typer.Option(help="Keep only tensors matching this glob (repeatable), e.g. 'model.*'."),
-]
-RenameOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        metavar="FROM_GLOB=TO_PATTERN",
-        help="Rename tensors before --only/--strip-prefix (repeatable; or a YAML file of "
-        "FROM: TO), e.g. 'layers.*.wq.weight=model.layers.*.self_attn.q_proj.weight'.",
-    ),
-]
-SplitLayersOpt = Annotated[
-    bool,
-    typer.Option(
-        "--split-layers",
-        help="Split Megatron-Core's stacked layers/experts axes into per-layer tensors "
-        "(decoder.layers.mlp.linear_fc1.weight [L, ...] -> decoder.layers.{i}.mlp...), "
-        "before --rename.",
-    ),
-]
-DequantizeOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="fp8-block: dequantize block-scaled FP8 weights (x their *_scale_inv per "
-        "128x128 block, in float32) to --dtype (default bf16) and drop the scales. Without "
-        "it, FP8 tensors and their scales keep their dtype under --dtype."
-    ),
-]
-StripPrefixOpt = Annotated[
-    str | None, typer.Option(help="Drop this prefix from tensor names, e.g. 'model.'.")
+    "spec_options",
 ]
 
 app = typer.Typer(
@@ -109,20 +64,57 @@ def size_text(n: int) -> str:
 
 
 #: box colours, cycled (distinct on dark and light terminals)
-def parse_mesh_option(mesh: str | None) -> dict[str, int] | None:
-    from reshard_svc.plan.spec import parse_mesh
-
-    return parse_mesh(mesh) if mesh else None
-
-
-def parse_rules_option(rules: str | None) -> dict[str, Any] | None:
-    if not rules:
-        return None
-    from reshard_svc.plan.rules import load_rules
-
-    return dict(load_rules(rules))
-
-
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point."""
     return app(args=argv)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _typer_param(name: str, default: Any, opt: Any) -> inspect.Parameter:
+    """One ConvertSpec option as a typer option: flag, type, default and help from the spec."""
+    flag, form = opt.flag(name), opt.form
+    info: dict[str, Any] = {"help": opt.flag_help()}
+    if opt.metavar:
+        info["metavar"] = opt.metavar
+    kind: Any
+    value: Any
+    if form in ("flag", "negated"):
+        kind, value = bool, False
+    elif form == "list":
+        kind, value = list[str] | None, None
+    elif form == "count":
+        kind, value = int | None, None
+        info["min"] = 1
+    elif form == "choice" and default is not None:
+        kind, value = str, str(default)
+    else:
+        kind, value = str | None, None
+    return inspect.Parameter(
+        opt.param(name),
+        inspect.Parameter.KEYWORD_ONLY,
+        annotation=Annotated[kind, typer.Option(flag, **info)],
+        default=value,
+    )
+
+
+def spec_options(*, placement: bool) -> Callable[[F], F]:
+    """Give a command the options :class:`reshard_svc.plan.spec.ConvertSpec` declares (after
+    its arguments; ``placement``: ``--nodes`` and ``--workers-per-node`` too). The command
+    takes them as ``**options``, keyed by :meth:`~reshard_svc.plan.spec.Option.param`, and
+    turns them into spec fields with :func:`~reshard_svc.plan.spec.options_from_text`."""
+    from reshard_svc.plan.spec import options
+
+    added = [
+        _typer_param(name, default, opt) for name, default, opt in options(placement=placement)
+    ]
+
+    def wrap(fn: F) -> F:
+        own = list(inspect.signature(fn, eval_str=True).parameters.values())
+        arguments = [p for p in own if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        rest = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        fn.__signature__ = inspect.Signature([*arguments, *added, *rest])  # type: ignore[attr-defined]
+        return fn
+
+    return wrap

@@ -10,20 +10,14 @@ import typer
 from rich.table import Table
 
 from reshard_client.cli._app import (
-    DequantizeOpt,
-    OnlyOpt,
-    OverwriteOpt,
-    RenameOpt,
-    SplitLayersOpt,
-    StripPrefixOpt,
     app,
     err,
     fail,
     out,
-    parse_mesh_option,
-    parse_rules_option,
     size_text,
+    spec_options,
 )
+from reshard_svc.plan.spec import WORKERS
 
 UrlOpt = Annotated[str | None, typer.Option("--url", envvar="RESHARD_URL", help="Server URL.")]
 TokenOpt = Annotated[
@@ -88,101 +82,29 @@ def _print_job(job: Any, as_json: bool) -> None:
         out.print(f"  [red]error:[/] {job.error}", highlight=False)
 
 
-MeshOpt = Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=2 or dp=2,tp=4.")]
-RulesOpt = Annotated[str | None, typer.Option(help="YAML/JSON file: tensor glob -> placements.")]
-FormatOpt = Annotated[str, typer.Option(help="native or hf.")]
-DtypeOpt = Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")]
-KeepDtypeOpt = Annotated[
-    list[str] | None,
-    typer.Option(help="With --dtype: leave tensors matching this glob as they are."),
-]
-WorkersOpt = Annotated[
-    int | None, typer.Option(min=1, help="Total torchrun workers (nodes x workers per node).")
-]
-NodesOpt = Annotated[
-    int, typer.Option(min=1, help="Nodes (torchrun agents) on the server's engine.")
-]
-WorkersPerNodeOpt = Annotated[
-    int | None, typer.Option(min=1, help="Workers per node (GPUs per node).")
-]
-StrategyOpt = Annotated[str, typer.Option(help="auto, exchange or direct.")]
-MaxMemoryOpt = Annotated[str | None, typer.Option(help="Byte budget per worker, e.g. 1GiB.")]
-ChecksumOpt = Annotated[str, typer.Option(help="What the output records: crc32c, sha256 or none.")]
-NoCopyConfigOpt = Annotated[
-    bool, typer.Option("--no-copy-config", help="--format hf: do not copy the config.")
-]
+WorkersOpt = Annotated[int | None, typer.Option(min=1, help=WORKERS.help)]
 
 
-#: the flags ``submit`` and ``watch`` share: a conversion's options
-JOB_FLAGS = (
-    "mesh",
-    "rules",
-    "rename",
-    "format",
-    "dtype",
-    "keep_dtype",
-    "workers",
-    "nodes",
-    "workers_per_node",
-    "strategy",
-    "max_memory",
-    "checksum",
-    "overwrite",
-    "only",
-    "strip_prefix",
-    "split_layers",
-    "dequantize",
-    "no_copy_config",
-)
+def _job_options(workers: int | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The conversion options of a job body (files are read here: a rules or rename YAML is
+    this machine's); those not given are left out, for the server's defaults."""
+    from reshard_svc.errors import ReshardError
+    from reshard_svc.plan.spec import options_from_text
 
-
-def _job_options(flags: dict[str, Any]) -> dict[str, Any]:
-    """The conversion options of a job body from a command's :data:`JOB_FLAGS` (files are
-    read here: a rules or rename YAML is this machine's); unset ones left out."""
-    from reshard_svc.plan.names import load_renames
-
-    given = {k: flags[k] for k in JOB_FLAGS}
     try:
-        mesh_value, rules_value = (
-            parse_mesh_option(given["mesh"]),
-            parse_rules_option(given["rules"]),
-        )
-        renames = load_renames(given["rename"])
-    except Exception as e:  # layout / rules / rename text errors
+        values = options_from_text(options)
+    except ReshardError as e:
         raise fail(e) from None
-    given.update(
-        mesh=mesh_value,
-        rules=rules_value,
-        rename=[str(r) for r in renames] if renames else None,
-        overwrite=given["overwrite"] or None,
-        split_layers=given["split_layers"] or None,
-        copy_config=False if given.pop("no_copy_config") else None,
-    )
-    return {k: v for k, v in given.items() if v is not None and v != [] and v != ""}
+    return values if workers is None else {**values, "workers": workers}
 
 
 @app.command()
+@spec_options(placement=True)
 def submit(
     src: Annotated[str, typer.Argument(help="Source checkpoint URI (under the server's roots).")],
     dst: Annotated[str, typer.Argument(help="Target URI (under the server's roots).")],
-    mesh: MeshOpt = None,
-    rules: RulesOpt = None,
-    format: FormatOpt = "native",
-    dtype: DtypeOpt = None,
-    keep_dtype: KeepDtypeOpt = None,
+    *,
     workers: WorkersOpt = None,
-    nodes: NodesOpt = 1,
-    workers_per_node: WorkersPerNodeOpt = None,
-    strategy: StrategyOpt = "auto",
-    max_memory: MaxMemoryOpt = None,
-    checksum: ChecksumOpt = "crc32c",
-    overwrite: OverwriteOpt = False,
-    only: OnlyOpt = None,
-    strip_prefix: StripPrefixOpt = None,
-    rename: RenameOpt = None,
-    split_layers: SplitLayersOpt = False,
-    dequantize: DequantizeOpt = None,
-    no_copy_config: NoCopyConfigOpt = False,
     idempotency_key: Annotated[
         str | None, typer.Option(help="Submit at most once per key.")
     ] = None,
@@ -192,11 +114,11 @@ def submit(
     url: UrlOpt = None,
     token: TokenOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the job as JSON.")] = False,
+    **options: Any,
 ) -> None:
     """Submit a conversion job to reshard-server."""
-    options = _job_options(locals())
     # The server sees only absolute paths: a relative one is this shell's, resolved here.
-    spec = {"source": _absolute(src), "target": _absolute(dst), **options}
+    spec = {"source": _absolute(src), "target": _absolute(dst), **_job_options(workers, options)}
     _check_body("JobCreate", spec, "job")
     with _client(url, token) as client:
         job = _remote(lambda: client.submit(spec, idempotency_key=idempotency_key))
@@ -368,8 +290,10 @@ def wait_cmd(
 
 
 @app.command()
+@spec_options(placement=True)
 def watch(
     root: Annotated[str, typer.Argument(help="Folder of step folders (under the server's roots).")],
+    *,
     to: Annotated[
         str,
         typer.Option(
@@ -380,38 +304,21 @@ def watch(
     existing: Annotated[
         bool, typer.Option("--existing", help="Also convert the steps already committed.")
     ] = False,
-    mesh: MeshOpt = None,
-    rules: RulesOpt = None,
-    format: FormatOpt = "native",
-    dtype: DtypeOpt = None,
-    keep_dtype: KeepDtypeOpt = None,
     workers: WorkersOpt = None,
-    nodes: NodesOpt = 1,
-    workers_per_node: WorkersPerNodeOpt = None,
-    strategy: StrategyOpt = "auto",
-    max_memory: MaxMemoryOpt = None,
-    checksum: ChecksumOpt = "crc32c",
-    overwrite: OverwriteOpt = False,
-    only: OnlyOpt = None,
-    strip_prefix: StripPrefixOpt = None,
-    rename: RenameOpt = None,
-    split_layers: SplitLayersOpt = False,
-    dequantize: DequantizeOpt = None,
-    no_copy_config: NoCopyConfigOpt = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the watch as JSON.")] = False,
+    **options: Any,
 ) -> None:
     """Have reshard-server convert each step committed under ROOT from now on (step-N,
     step_N, iter_N, global_step_N, checkpoint-N folders of reshard, torch DCP or
     torch_checkpointing): one job per step, never for a half-written one."""
-    options = _job_options(locals())
     body = {
         "root": _absolute(root),
         "target": _absolute(to),
         "every": every,
         "existing": existing,
-        **options,
+        **_job_options(workers, options),
     }
     _check_body("WatchCreate", body, "watch")
     with _client(url, token) as client:

@@ -19,19 +19,12 @@ from rich.progress import (
 from rich.table import Table
 
 from reshard_client.cli._app import (
-    DequantizeOpt,
-    OnlyOpt,
-    OverwriteOpt,
-    RenameOpt,
-    SplitLayersOpt,
-    StripPrefixOpt,
     app,
     err,
     fail,
     out,
-    parse_mesh_option,
-    parse_rules_option,
     size_text,
+    spec_options,
 )
 
 PALETTE = (
@@ -227,90 +220,31 @@ def verify(
 
 
 @app.command()
+@spec_options(placement=False)
 def convert(
     src: Annotated[
-        str, typer.Argument(help="Source checkpoint (native, DCP HF, plain HF, DCP .distcp).")
+        str,
+        typer.Argument(help="Source checkpoint (ours, HF, DCP, torch_checkpointing, Megatron)."),
     ],
     dst: Annotated[
         str, typer.Argument(help="Target folder: new, a checkpoint, or (hf) a model folder.")
     ],
-    mesh: Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=4 or dp=2,tp=4.")] = None,
-    rules: Annotated[
-        str | None, typer.Option(help="YAML/JSON file mapping tensor-name globs to placements.")
-    ] = None,
-    format: Annotated[
-        str, typer.Option(help="native, or hf for one consolidated HF folder.")
-    ] = "native",
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            help="Cast floating-point tensors of 1+ dims on the fly: bf16, fp16, fp32 or fp64 "
-            "(0-dim scalars such as an optimizer's step keep theirs)."
-        ),
-    ] = None,
-    keep_dtype: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="With --dtype: leave tensors matching this glob as they are (repeatable)."
-        ),
-    ] = None,
-    strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
-    max_memory: Annotated[str, typer.Option(help="Byte budget per worker, e.g. 1GiB.")] = "1GiB",
-    max_shard_size: Annotated[str, typer.Option(help="HF export: cap per file.")] = "5GB",
+    *,
     workers: Annotated[
         int, typer.Option(min=1, help="Worker processes (1 runs in this process).")
     ] = 1,
-    checksum: Annotated[
-        str,
-        typer.Option(
-            help="What the output records: crc32c (block CRCs, checked on every read), "
-            "sha256 (those plus a whole-file sha256) or none."
-        ),
-    ] = "crc32c",
-    overwrite: OverwriteOpt = False,
-    only: OnlyOpt = None,
-    strip_prefix: StripPrefixOpt = None,
-    rename: RenameOpt = None,
-    split_layers: SplitLayersOpt = False,
-    dequantize: DequantizeOpt = None,
-    no_copy_config: Annotated[
-        bool,
-        typer.Option(
-            "--no-copy-config", help="--format hf: do not copy the source's config and tokenizer."
-        ),
-    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    **options: Any,
 ) -> None:
     """Reshard SRC into DST: new mesh, placements, dtype or an HF export."""
     from reshard_client.runner import ProgressOut, leftovers, run_in_process, run_workers
     from reshard_svc.errors import ReshardError
     from reshard_svc.format.target import preflight
-    from reshard_svc.plan.names import load_renames
-    from reshard_svc.plan.spec import ConvertSpec
+    from reshard_svc.plan.spec import ConvertSpec, options_from_text
 
     try:
-        renames = load_renames(rename)
-        spec = ConvertSpec(
-            source=src,
-            target=dst,
-            mesh=parse_mesh_option(mesh),
-            rules=parse_rules_option(rules),
-            format=format,  # type: ignore[arg-type]
-            dtype=dtype,
-            keep_dtype=keep_dtype or None,
-            strategy=strategy,  # type: ignore[arg-type]
-            checksum=checksum,
-            max_memory=max_memory,
-            max_shard_size=max_shard_size,
-            workers_per_node=workers,
-            overwrite=overwrite,
-            only=only or None,
-            strip_prefix=strip_prefix,
-            copy_config=not no_copy_config,
-            rename=[str(r) for r in renames] if renames else None,
-            split_layers=split_layers,
-            dequantize=dequantize,
-        ).checked()
+        values = options_from_text(options, placement=False)
+        spec = ConvertSpec(source=src, target=dst, workers_per_node=workers, **values).checked()
         preflight(
             spec.source, spec.target, overwrite=spec.overwrite, model_folder=spec.format == "hf"
         )
@@ -476,63 +410,38 @@ def steps(
 
 
 @app.command()
+@spec_options(placement=False)
 def plan(
     src: Annotated[str, typer.Argument(help="Source checkpoint (any format reshard reads).")],
+    *,
     world: Annotated[
         int | None,
         typer.Option(
             min=1, help="Workers to plan for (default: the mesh's size with --load, else 1)."
         ),
     ] = None,
-    mesh: Annotated[str | None, typer.Option(help="Target mesh, e.g. tp=4 or dp=32,tp=16.")] = None,
-    rules: Annotated[
-        str | None, typer.Option(help="YAML/JSON: tensor glob -> placements (or a file).")
-    ] = None,
-    format: Annotated[str, typer.Option(help="native or hf.")] = "native",
-    dtype: Annotated[str | None, typer.Option(help="bf16, fp16, fp32 or fp64.")] = None,
-    max_memory: Annotated[
-        str | None,
-        typer.Option(help="Byte budget per worker, e.g. 1GiB (convert: 1GiB; load: 512MiB)."),
-    ] = None,
-    strategy: Annotated[str, typer.Option(help="auto, exchange or direct.")] = "auto",
     load: Annotated[
         bool,
         typer.Option(
             "--load", help="Size reshard_svc.load on the mesh's ranks instead of a convert."
         ),
     ] = False,
-    only: OnlyOpt = None,
-    strip_prefix: StripPrefixOpt = None,
-    rename: RenameOpt = None,
-    split_layers: SplitLayersOpt = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the plan's figures as JSON.")
     ] = False,
+    **options: Any,
 ) -> None:
     """A dry run: plan converting SRC (or loading it, --load) on --world workers, on this
     machine, and print what each worker would read, send and receive, its peak memory,
-    the storage requests, waves and strategy. Reads the source's index only."""
+    the storage requests, waves and strategy. Reads the source's index only; takes
+    convert's options."""
     from reshard_svc.errors import ReshardError
-    from reshard_svc.plan.names import load_renames
-    from reshard_svc.plan.spec import ConvertSpec
+    from reshard_svc.plan.spec import ConvertSpec, options_from_text
     from reshard_svc.runtime.dry_run import dry_run
 
     try:
-        renames = load_renames(rename)
-        spec = ConvertSpec(
-            source=src,
-            target=src.rstrip("/") + ".plan",
-            mesh=parse_mesh_option(mesh),
-            rules=parse_rules_option(rules),
-            format=format,  # type: ignore[arg-type]
-            dtype=dtype,
-            strategy=strategy,  # type: ignore[arg-type]
-            max_memory=max_memory,  # type: ignore[arg-type]
-            only=only or None,
-            strip_prefix=strip_prefix,
-            split_layers=split_layers,
-            rename=[str(r) for r in renames] if renames else None,
-        ).checked()
+        values = options_from_text(options, placement=False)
+        spec = ConvertSpec(source=src, target=src.rstrip("/") + ".plan", **values).checked()
         report = dry_run(spec, world, load=load)
     except ReshardError as e:
         raise fail(e) from None
