@@ -1,7 +1,8 @@
 """Read torch DCP ``.distcp`` folders without trusting their pickles.
 
 DCP's ``.metadata`` is a plain pickle; loading it with ``pickle.load`` runs whatever it
-names. We unpickle it with :class:`AllowListUnpickler`, which resolves only the handful of
+names. We unpickle it with :class:`~reshard_svc.format.unpickle.AllowListUnpickler`, which
+resolves only the handful of
 torch metadata classes, dtypes and path types a DCP save really contains, and raises
 :class:`~reshard_svc.errors.UnsafePickleError` naming anything else. Tensor items in the
 ``.distcp`` files are ``torch.save`` archives, read with ``weights_only=True``.
@@ -14,71 +15,20 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from typing import Any
 
 import torch
 
 from reshard_svc.errors import CorruptCheckpointError, UnsafePickleError
 from reshard_svc.format.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.unpickle import safe_unpickle
 from reshard_svc.layout import Box
 from reshard_svc.storage import Storage
 
-__all__ = ["AllowListUnpickler", "decode_torch_save", "index_from_distcp", "safe_unpickle"]
+__all__ = ["decode_torch_save", "index_from_distcp"]
 
 ENV_ALLOW = "RESHARD_ALLOW_DCP_PICKLE"
 TORCH_SAVE = "torch_save"
-_MD = "torch.distributed.checkpoint.metadata"
-_PLANNER = "torch.distributed.checkpoint.planner"
-ALLOWED: frozenset[tuple[str, str]] = frozenset(
-    {
-        (_MD, "Metadata"),
-        (_MD, "TensorStorageMetadata"),
-        (_MD, "BytesStorageMetadata"),
-        (_MD, "ChunkStorageMetadata"),
-        (_MD, "TensorProperties"),
-        (_MD, "MetadataIndex"),
-        (_MD, "StorageMeta"),
-        (_MD, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        # Megatron-Core's torch_dist backend caches its save plans in the metadata
-        # (inert dataclasses of offsets and sizes).
-        (_PLANNER, "SavePlan"),
-        (_PLANNER, "WriteItem"),
-        (_PLANNER, "WriteItemType"),
-        (_PLANNER, "TensorWriteData"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-    }
-)
-
-
-class AllowListUnpickler(pickle.Unpickler):
-    """Resolves only allow-listed globals (plus torch dtypes); everything else raises."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafePickleError(
-            f"DCP metadata names {module}.{name}, which is not on the allow-list; refusing "
-            "to unpickle it"
-        )
-
-
-def safe_unpickle(raw: bytes) -> Any:
-    try:
-        return AllowListUnpickler(io.BytesIO(raw)).load()
-    except UnsafePickleError:
-        raise
-    except Exception as e:  # malformed pickles raise many types
-        raise CorruptCheckpointError(f".metadata is not a readable DCP pickle: {e}") from e
 
 
 def decode_torch_save(raw: bytes | memoryview, where: str) -> torch.Tensor:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import pickle
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
@@ -37,8 +36,9 @@ import torch
 
 from reshard_svc.errors import CorruptCheckpointError, NotACheckpointError, UnsafePickleError
 from reshard_svc.format.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
-from reshard_svc.format.torch_save import SKIP, Archives, TensorRef, plain_values, read_ints
+from reshard_svc.format.torch_save import SKIP, Archives, plain_values
 from reshard_svc.format.torch_save import zip_crc_table as zip_crc_table
+from reshard_svc.format.unpickle import PlainUnpickler, TensorRef, read_ints
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
 from reshard_svc.layout.sharding import local_slices
 from reshard_svc.storage import Storage
@@ -56,26 +56,13 @@ SOURCE = "torch_checkpointing"
 _RANK_FILE = re.compile(r"(.+)_(\d+)\.pt")
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """metadata.pkl holds only builtins: any global is refused, whatever it names."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise UnsafePickleError(
-            f"{METADATA_NAME} names {module}.{name}; torch_checkpointing metadata holds only "
-            "plain data, so this file is refused unread"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"{METADATA_NAME} refers to persistent objects; refused")
-
-
 # ---------------------------------------------------------------- metadata
 
 
 def _load_metadata(storage: Storage) -> dict[str, Any]:
     raw = storage.read(METADATA_NAME)
     try:
-        md = _PlainUnpickler(io.BytesIO(raw)).load()
+        md = PlainUnpickler(io.BytesIO(raw), METADATA_NAME).load()
     except UnsafePickleError:
         raise
     except Exception as e:  # a malformed pickle raises many types

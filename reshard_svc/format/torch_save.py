@@ -4,9 +4,10 @@ A ``torch.save`` file is a zip of stored (uncompressed) records: ``data.pkl``, t
 object, and ``data/<key>``, the raw bytes of each storage. :class:`Archives` opens them
 through ranged reads of any :class:`~reshard_svc.storage.Storage`: the zip directory (by
 ``zipfile``), each record's data offset (from its local header), and the ``data.pkl``
-walked by :class:`_InertUnpickler`, which imports and runs nothing. Only tensor rebuilds
-get a meaning (a :class:`TensorRef`: record key, storage offset, shape, stride, dtype);
-every other global becomes an inert stand-in. Used by the torch_checkpointing source.
+walked by :class:`~reshard_svc.format.unpickle.InertUnpickler`, which imports and runs
+nothing. Only tensor rebuilds get a meaning (a :class:`TensorRef`: record key, storage
+offset, shape, stride, dtype); every other global becomes an inert stand-in. Used by the
+torch_checkpointing source.
 """
 
 from __future__ import annotations
@@ -18,160 +19,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from reshard_svc.errors import CorruptCheckpointError
+from reshard_svc.format.unpickle import inert_load
 from reshard_svc.storage import Storage
 
 __all__ = [
     "SKIP",
     "Archives",
-    "TensorRef",
-    "inert_load",
     "plain_values",
-    "read_ints",
     "zip_crc_table",
 ]
 
 _MAX_DEPTH = 64
-
-
-# ---------------------------------------------------------------- data.pkl, read inertly
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype | None
-    numel: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorRef:
-    """Where a local tensor's bytes are: record ``data/<key>``, element offset, shape, stride."""
-
-    key: str
-    dtype: torch.dtype | None
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class _Inert:
-    """Whatever a pickle builds that we do not model: accepts anything, means nothing."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
-        return _Inert()
-
-
-class _InertType(type):
-    """A stand-in for a named class: constructing or calling it yields an inert object of
-    the stand-in's type (so its name can be reported)."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__()
-
-
-_STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: torch.dtype | None
-
-
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> Any:
-    if not isinstance(storage, _StorageRef):
-        return _Inert()
-    return TensorRef(
-        key=storage.key,
-        dtype=storage.dtype,
-        offset=int(offset),
-        size=read_ints(size),
-        stride=read_ints(stride),
-    )
-
-
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    """A tensor subclass (DTensor): what we need is its ``_local_tensor``."""
-    # state is the instance dict, or (dict, slots) as copyreg builds it
-    for part in state if isinstance(state, tuple) else (state,):
-        if isinstance(part, dict) and isinstance(part.get("_local_tensor"), TensorRef):
-            return part["_local_tensor"]
-    return func(*args) if callable(func) else _Inert()
-
-
-def read_ints(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
-        return (-1,)  # refused where used: a shape or stride must be non-negative ints
-    return tuple(value)
-
-
-class _Dict(dict):  # type: ignore[type-arg]
-    """An OrderedDict; a state dict's carries a ``_metadata`` attribute, ignored."""
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-
-_MEANINGFUL: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-    ("torch", "Size"): tuple,
-    ("collections", "OrderedDict"): _Dict,
-}
-
-
-class _InertUnpickler(pickle.Unpickler):
-    """Walks a ``torch.save`` ``data.pkl`` without importing or running anything it names.
-
-    Only tensor rebuilds get a meaning (a :class:`TensorRef`); every other global becomes
-    an inert stand-in, so the result is the pickled container structure with TensorRefs at
-    the tensor leaves and inert objects elsewhere."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _MEANINGFUL:
-            return _MEANINGFUL[(module, name)]
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        return _InertType(f"{module}.{name}", (_Inert,), {})
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            return _Inert()
-        _, stype, key, _location, numel = pid
-        dtype = stype.dtype if isinstance(stype, _StorageType) else None
-        if not isinstance(key, str) or not isinstance(numel, int):
-            return _Inert()
-        return _StorageRef(key, dtype, numel)
-
-
-def inert_load(data: bytes) -> Any:
-    """A ``data.pkl`` walked by :class:`_InertUnpickler` (nothing imported or run)."""
-    return _InertUnpickler(io.BytesIO(data)).load()
 
 
 # ---------------------------------------------------------------- zip records

@@ -35,7 +35,7 @@ from typing import Any
 
 from reshard_svc.errors import CorruptCheckpointError
 from reshard_svc.format.index import Blob, CheckpointIndex
-from reshard_svc.format.torch_save import TensorRef, inert_load
+from reshard_svc.format.unpickle import TensorRef, inert_load
 from reshard_svc.storage import Storage
 
 __all__ = ["Opaque", "StoredValues", "decode_plain", "flat_values", "opaque_in"]

@@ -196,10 +196,10 @@ def test_unsafe_metadata_pickle_is_refused_unrun(titan, tmp_path):
 def _edit_metadata(folder: str, edit) -> None:
     import pickle
 
-    from reshard_svc.format.torch_ckpt import _PlainUnpickler
+    from reshard_svc.format.unpickle import PlainUnpickler
 
     with open(f"{folder}/metadata.pkl", "rb") as f:
-        md = _PlainUnpickler(f).load()
+        md = PlainUnpickler(f, "metadata.pkl").load()
     edit(md)
     with open(f"{folder}/metadata.pkl", "wb") as f:
         pickle.dump(md, f)
