@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,17 +23,12 @@ from reshard_svc.errors import (
     StateDictError,
     StorageError,
 )
-from reshard_svc.format.checksums import crc32c
 from reshard_svc.format.index import CheckpointIndex
-from reshard_svc.format.sources import open_checkpoint, read_header
-from reshard_svc.format.torch_ckpt import SOURCE as ZIP_SOURCE
-from reshard_svc.format.torch_ckpt import replica_copies, zip_crc_table
+from reshard_svc.format.reader import SPAN, read_header
+from reshard_svc.format.readers import open_checkpoint, source_of
 from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["VerifyReport", "describe_index", "inspect", "read_blob", "verify"]
-
-#: Bytes one verify task reads at a time (a whole number of blocks).
-SPAN = 64 * 1024 * 1024
 
 
 def inspect(uri: str, storage_options: Mapping[str, Any] | None = None) -> CheckpointIndex:
@@ -136,8 +130,9 @@ def verify(
     except (CheckpointError, StorageError) as e:
         report.problems.append(f"{type(e).__name__}: {e}")
         return report
+    source = source_of(index)
     report.tensors = len(index.tensors)
-    report.checksum = "zip-crc32" if index.source == ZIP_SOURCE else index.checksum
+    report.checksum = source.checksum(index)
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for t in index.tensors.values():
         for c in t.chunks:
@@ -150,6 +145,7 @@ def verify(
     names = sorted(index.files)
     problems: dict[str, list[str]] = {n: [] for n in names}
     tasks: list[tuple[str, int, int]] = []
+    own: dict[str, Any] = {}  # the source's own check of a file's bytes
     for name in names:
         meta = index.files[name]
         try:
@@ -161,13 +157,15 @@ def verify(
             problems[name].append(f"{name}: {e}")
             ok = False
         report.files_checked += 1
-        if ok and index.source == ZIP_SOURCE and name.endswith(".pt"):
-            tasks.append((name, -1, meta.size))  # a torch.save zip: its records' CRC-32s
+        own_check = source.data_check(name, meta) if ok else None
+        if own_check is not None:
+            own[name] = own_check
+            tasks.append((name, -1, meta.size))
             continue
         if not ok or (meta.blocks is None and meta.sha256 is None):
             if ok:
                 report.bytes_unchecked += meta.size
-                reason = _UNCHECKED.get(index.source, _UNCHECKED["reshard_svc"])
+                reason = source.unchecked(index)
                 if reason not in report.unchecked:
                     report.unchecked.append(reason)
             advance(meta.size)
@@ -183,7 +181,7 @@ def verify(
         found: list[str] = []
         try:
             if lo < 0:
-                hashed = _check_zip_records(storage, name, hi, found, advance)
+                hashed = own[name](storage, name, hi, found, advance)
             else:
                 hashed = _check_data(storage, name, index.files[name], lo, hi, found, advance)
         except (CheckpointError, StorageError) as e:
@@ -197,55 +195,9 @@ def verify(
             report.bytes_hashed += hashed
     for name in names:
         report.problems.extend(problems[name])
-    if index.source == ZIP_SOURCE and not report.problems:
-        report.problems.extend(_compare_copies(storage))
+    if not report.problems:
+        report.problems.extend(source.verify_more(storage, index))
     return report
-
-
-def _compare_copies(storage: Storage) -> list[str]:
-    """torch_checkpointing keeps every rank's copy of a replicated box: they must agree."""
-    found = []
-    for (name, box), copies in sorted(replica_copies(storage).items(), key=lambda kv: kv[0][0]):
-        by_crc: dict[int, list[int]] = {}
-        for rank, c in copies:  # a span at a time: replicated tensors can be large
-            crc = 0
-            for a in range(c.begin, c.end, SPAN):
-                crc = crc32c(storage.read_view(c.file, a, min(c.end, a + SPAN)), crc)
-            by_crc.setdefault(crc, []).append(rank)
-        if len(by_crc) > 1:
-            groups = "; ".join(f"rank(s) {rs} hold CRC32C {c:08x}" for c, rs in by_crc.items())
-            found.append(
-                f"{name} {list(box.offsets)}+{list(box.sizes)}: the writer saved it as "
-                f"replicated, but its copies differ ({groups}); a convert or load keeps "
-                f"rank {copies[0][0]}'s. Per-rank state needs per-rank keys or a DTensor"
-            )
-    return found
-
-
-def _check_zip_records(
-    storage: Storage, name: str, size: int, found: list[str], advance: Callable[[int], None]
-) -> int:
-    """Every record of a ``torch.save`` zip against the CRC-32 its directory records."""
-    hashed = 0
-    for begin, end, crc in zip_crc_table(storage, [name])[name]:
-        got = 0
-        for a in range(begin, end, SPAN):
-            got = zlib.crc32(storage.read_view(name, a, min(end, a + SPAN)), got)
-        if got != crc:
-            found.append(f"{name}: bytes [{begin}, {end}) fail their zip CRC-32 (corrupted)")
-        hashed += end - begin
-    advance(size)
-    return hashed
-
-
-#: Why a source's data bytes cannot be checked, by ``CheckpointIndex.source``.
-_UNCHECKED = {
-    "reshard_svc": "saved with checksum='none': no checksums recorded",
-    "hf": "Hugging Face safetensors files record no checksums",
-    "dcp-hf": "torch DCP's safetensors files record no checksums",
-    "dcp": "torch DCP .distcp files record no checksums",
-    "megatron": "Megatron-Core's torch_dist files (torch DCP) record no checksums",
-}
 
 
 class _Tally:

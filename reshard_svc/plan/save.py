@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from reshard_svc.format.index import Chunk
+from reshard_svc.format.reader import DCP_SHARDING_INFO, SAVE_TOKEN_KEY
 from reshard_svc.format.safetensors import dtype_from_name, encode_header
 from reshard_svc.layout import Box, choose_writers
 from reshard_svc.plan.items import Holdings
@@ -74,13 +75,13 @@ def plan_save(
             fname = f"shard-{rank:05d}-{k:03d}{file_suffix}.safetensors"
             sharding = {n: {"saved_offsets": list(b.offsets)} for n, b in entries}
             metadata = {
-                "DCP_SHARDING_INFO": json.dumps(sharding),
+                DCP_SHARDING_INFO: json.dumps(sharding),
                 "DCP_VERSION": DCP_VERSION,
                 "format": "pt",
             }
             if token:
                 # A constant marker, not the token, so equal data gives equal bytes.
-                metadata["RESHARD_SAVE"] = "1"
+                metadata[SAVE_TOKEN_KEY] = "1"
             header, ranges = encode_header([(n, dtypes[n], b.sizes) for n, b in entries], metadata)
             size = max((e for _, e in ranges.values()), default=len(header))
             for n, b in entries:

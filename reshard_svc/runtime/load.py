@@ -19,7 +19,7 @@ import torch
 
 from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
 from reshard_svc.format.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
-from reshard_svc.format.sources import open_checkpoint
+from reshard_svc.format.readers import open_checkpoint
 from reshard_svc.format.values import StoredValues, opaque_in
 from reshard_svc.plan.items import Piece, Wave
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget

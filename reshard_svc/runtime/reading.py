@@ -122,7 +122,7 @@ def _band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
         if buf.storage_offset() % dtype.itemsize:
             buf = buf.clone()  # safetensors does not align tensors inside its data section
         return buf.view(dtype).reshape(read.box.sizes)
-    from reshard_svc.format.dcp import decode_torch_save
+    from reshard_svc.format.readers.dcp import decode_torch_save
 
     t = decode_torch_save(buf.numpy().tobytes(), f"{read.file}@{read.begin}")
     _, _, picks = read.encoding.partition("@")

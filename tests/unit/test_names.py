@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import reshard_svc
 from reshard_svc.errors import UsageError
 from reshard_svc.format.index import TensorMeta
-from reshard_svc.format.sources import open_checkpoint
+from reshard_svc.format.readers import open_checkpoint
 from reshard_svc.jobs.argv import from_argv, to_argv
 from reshard_svc.plan.names import (
     Rename,

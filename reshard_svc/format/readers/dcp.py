@@ -15,19 +15,29 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
 from reshard_svc.errors import CorruptCheckpointError, UnsafePickleError
 from reshard_svc.format.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.reader import BaseSource
 from reshard_svc.format.unpickle import safe_unpickle
 from reshard_svc.layout import Box
 from reshard_svc.storage import Storage
 
-__all__ = ["decode_torch_save", "index_from_distcp"]
+__all__ = [
+    "DCP_METADATA",
+    "SOURCE",
+    "DistCP",
+    "decode_torch_save",
+    "index_from_distcp",
+    "index_from_metadata",
+]
 
 ENV_ALLOW = "RESHARD_ALLOW_DCP_PICKLE"
+DCP_METADATA = ".metadata"
 TORCH_SAVE = "torch_save"
 
 
@@ -49,11 +59,18 @@ def index_from_distcp(storage: Storage) -> CheckpointIndex:
             f"{storage.uri} is a torch DCP .distcp checkpoint, whose metadata is a pickle; "
             f"this process refuses pickles ({ENV_ALLOW}=0). Ask the operator to allow it."
         )
-    md = safe_unpickle(storage.read(".metadata"))
+    md = safe_unpickle(storage.read(DCP_METADATA))
+    return index_from_metadata(md, storage.size, f"{storage.uri}/{DCP_METADATA}")
+
+
+def index_from_metadata(md: Any, size_of: Callable[[str], int], where: str) -> CheckpointIndex:
+    """The index a DCP ``Metadata`` object describes (``size_of``: a data file's size):
+    tensor chunks as ``torch_save`` items of the ``.distcp`` files, byte items as opaque
+    blobs."""
     sdm = getattr(md, "state_dict_metadata", None)
     storage_data = getattr(md, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage_data, dict):
-        raise CorruptCheckpointError(f"{storage.uri}/.metadata is not DCP Metadata")
+        raise CorruptCheckpointError(f"{where} is not DCP Metadata")
     where_of: dict[tuple[str, tuple[int, ...]], Any] = {}
     bytes_at: dict[str, Any] = {}
     for mi, info in storage_data.items():
@@ -113,9 +130,23 @@ def index_from_distcp(storage: Storage) -> CheckpointIndex:
         )
     index = CheckpointIndex(
         tensors=tensors,
-        files={f: FileMeta(storage.size(f)) for f in sorted(files)},
+        files={f: FileMeta(size_of(f)) for f in sorted(files)},
         source="dcp",
         blobs=blobs,
     )
     index.check()
     return index
+
+
+class DistCP(BaseSource):
+    kinds = ("dcp",)
+    why_unchecked = "torch DCP .distcp files record no checksums"
+
+    def claims(self, names: Collection[str]) -> bool:
+        return DCP_METADATA in names
+
+    def open(self, storage: Storage, names: Collection[str]) -> CheckpointIndex:
+        return index_from_distcp(storage)
+
+
+SOURCE = DistCP()

@@ -28,14 +28,17 @@ import json
 import math
 import posixpath
 import re
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from reshard_svc.errors import CorruptCheckpointError, NotACheckpointError, UnsafePickleError
+from reshard_svc.format.checksums import crc32c
 from reshard_svc.format.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.reader import SPAN, BaseSource, DataCheck
 from reshard_svc.format.torch_save import SKIP, Archives, plain_values
 from reshard_svc.format.torch_save import zip_crc_table as zip_crc_table
 from reshard_svc.format.unpickle import PlainUnpickler, TensorRef, read_ints
@@ -44,15 +47,17 @@ from reshard_svc.layout.sharding import local_slices
 from reshard_svc.storage import Storage
 
 __all__ = [
+    "KIND",
     "METADATA_NAME",
     "SOURCE",
+    "TorchCheckpointing",
     "index_from_torch_checkpointing",
     "replica_copies",
     "zip_crc_table",
 ]
 
 METADATA_NAME = "metadata.pkl"
-SOURCE = "torch_checkpointing"
+KIND = "torch_checkpointing"
 _RANK_FILE = re.compile(r"(.+)_(\d+)\.pt")
 
 
@@ -113,7 +118,7 @@ def _placement(p: Any, where: str) -> Any:
 
 
 @dataclass(frozen=True)
-class _Piece:
+class _RankPart:
     """One rank's stored part of a tensor: global box, and where it sits in the local tensor."""
 
     rank: int
@@ -129,7 +134,7 @@ def _pieces(group: Mapping[str, Any], where: str) -> tuple[torch.dtype, tuple[in
         raise CorruptCheckpointError(f"{METADATA_NAME}: {where} has ranks {ranks!r}")
     dtype = _dtype(_field(data, "dtype", where), where)
     shape = _shape(_field(data, "global_shape", where), where)
-    pieces: list[_Piece] = []
+    pieces: list[_RankPart] = []
     if kind == "DTensorShardingMetadata":
         spec = _field(data, "mesh_spec", where)
         mesh_shape = _shape(_field(spec, "mesh_shape", where), where)
@@ -146,7 +151,7 @@ def _pieces(group: Mapping[str, Any], where: str) -> tuple[torch.dtype, tuple[in
                 )
             boxes = [b for b in shards[mesh_ranks.index(rank)] if not b.is_empty]
             for box, sl in zip(boxes, local_slices(boxes), strict=True):
-                pieces.append(_Piece(rank, box, sl))
+                pieces.append(_RankPart(rank, box, sl))
     elif kind == "default_tensor_v1":
         offs, locs, sizes = (
             _field(data, k, where) for k in ("global_offsets", "local_offsets", "local_sizes")
@@ -157,7 +162,7 @@ def _pieces(group: Mapping[str, Any], where: str) -> tuple[torch.dtype, tuple[in
             box = Box(_shape(off, where), _shape(size, where))
             sl = tuple(slice(a, a + n) for a, n in zip(_shape(loc, where), box.sizes, strict=True))
             if not box.is_empty:  # ranks with the same offsets hold replicas (one group)
-                pieces.extend(_Piece(rank, box, sl) for rank in ranks)
+                pieces.extend(_RankPart(rank, box, sl) for rank in ranks)
     else:
         raise CorruptCheckpointError(
             f"{METADATA_NAME}: {where} has sharding {kind!r}; supported: "
@@ -274,7 +279,7 @@ def _index(storage: Storage, copies: _Copies | None) -> CheckpointIndex:
         tensors=tensors,
         files={f: FileMeta(files.sizes[f]) for f in sorted(used)},
         extras=extras,
-        source=SOURCE,
+        source=KIND,
         blobs=blobs,
     )
     index.check()
@@ -340,7 +345,7 @@ def _chunk(
     item: str,
     layout_info: Mapping[Any, Any],
     path: Sequence[Any],
-    piece: _Piece,
+    piece: _RankPart,
     dtype: torch.dtype,
     name: str,
 ) -> Chunk:
@@ -379,3 +384,67 @@ def not_a_torch_checkpointing_save(storage: Storage, names: Sequence[str]) -> No
             f"{METADATA_NAME}: nothing says how its tensors are sharded. Save the items with "
             "a resharder (ItemSpec(resharder=DefaultResharder())) so the metadata is written"
         )
+
+
+class TorchCheckpointing(BaseSource):
+    """Its bytes are checked by the zip's CRC-32 of each record; every rank's copy of a
+    replicated box must agree."""
+
+    kinds = (KIND,)
+
+    def claims(self, names: Collection[str]) -> bool:
+        return METADATA_NAME in names
+
+    def open(self, storage: Storage, names: Collection[str]) -> CheckpointIndex:
+        return index_from_torch_checkpointing(storage)
+
+    def checksum(self, index: CheckpointIndex) -> str:
+        return "zip-crc32"
+
+    def data_check(self, name: str, meta: FileMeta) -> DataCheck | None:
+        return check_zip_records if name.endswith(".pt") else None
+
+    def verify_more(self, storage: Storage, index: CheckpointIndex) -> list[str]:
+        return compare_copies(storage)
+
+    def not_mine(self, storage: Storage, names: Collection[str]) -> None:
+        not_a_torch_checkpointing_save(storage, list(names))
+
+
+def check_zip_records(
+    storage: Storage, name: str, size: int, found: list[str], advance: Callable[[int], None]
+) -> int:
+    """Every record of a ``torch.save`` zip against the CRC-32 its directory records."""
+    hashed = 0
+    for begin, end, crc in zip_crc_table(storage, [name])[name]:
+        got = 0
+        for a in range(begin, end, SPAN):
+            got = zlib.crc32(storage.read_view(name, a, min(end, a + SPAN)), got)
+        if got != crc:
+            found.append(f"{name}: bytes [{begin}, {end}) fail their zip CRC-32 (corrupted)")
+        hashed += end - begin
+    advance(size)
+    return hashed
+
+
+def compare_copies(storage: Storage) -> list[str]:
+    """torch_checkpointing keeps every rank's copy of a replicated box: they must agree."""
+    found = []
+    for (name, box), copies in sorted(replica_copies(storage).items(), key=lambda kv: kv[0][0]):
+        by_crc: dict[int, list[int]] = {}
+        for rank, c in copies:  # a span at a time: replicated tensors can be large
+            crc = 0
+            for a in range(c.begin, c.end, SPAN):
+                crc = crc32c(storage.read_view(c.file, a, min(c.end, a + SPAN)), crc)
+            by_crc.setdefault(crc, []).append(rank)
+        if len(by_crc) > 1:
+            groups = "; ".join(f"rank(s) {rs} hold CRC32C {c:08x}" for c, rs in by_crc.items())
+            found.append(
+                f"{name} {list(box.offsets)}+{list(box.sizes)}: the writer saved it as "
+                f"replicated, but its copies differ ({groups}); a convert or load keeps "
+                f"rank {copies[0][0]}'s. Per-rank state needs per-rank keys or a DTensor"
+            )
+    return found
+
+
+SOURCE = TorchCheckpointing()
