@@ -13,7 +13,6 @@ torch_checkpointing source.
 from __future__ import annotations
 
 import io
-import pickle
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -150,20 +149,7 @@ class Archives:
             if order.strip() != b"little":
                 raise CorruptCheckpointError(f"{file} is {order!r}-endian; only little is read")
             raw = _read_record(self.storage, a, "data.pkl")
-            try:
-                self._trees[file] = inert_load(raw)
-            except (
-                pickle.UnpicklingError,
-                EOFError,
-                ValueError,
-                TypeError,
-                IndexError,
-                KeyError,
-                AttributeError,
-                RecursionError,
-                MemoryError,
-            ) as e:
-                raise CorruptCheckpointError(f"{file}: data.pkl is unreadable: {e}") from e
+            self._trees[file] = inert_load(raw, f"{file}: data.pkl")
         return self._trees[file]
 
     def record(self, file: str, key: str, where: str) -> tuple[int, int]:

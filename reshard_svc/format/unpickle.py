@@ -244,6 +244,24 @@ class InertUnpickler(pickle.Unpickler):
         return _StorageRef(key, dtype, numel)
 
 
-def inert_load(data: bytes) -> Any:
-    """A ``data.pkl`` walked by :class:`InertUnpickler` (nothing imported or run)."""
-    return InertUnpickler(io.BytesIO(data)).load()
+#: What a malformed pickle raises while it is walked (none of it is run).
+_MALFORMED = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    IndexError,
+    KeyError,
+    AttributeError,
+    RecursionError,
+    MemoryError,
+)
+
+
+def inert_load(data: bytes, what: str = "data.pkl") -> Any:
+    """A ``data.pkl`` walked by :class:`InertUnpickler` (nothing imported or run); a
+    malformed one is a :class:`CorruptCheckpointError` naming ``what``."""
+    try:
+        return InertUnpickler(io.BytesIO(data)).load()
+    except _MALFORMED as e:
+        raise CorruptCheckpointError(f"{what} is unreadable: {e}") from e

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import io
-import pickle
 import re
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -77,21 +76,7 @@ def decode_plain(raw: bytes, blob: str) -> Any:
             data = z.read(pkl[0])
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise CorruptCheckpointError(f"opaque item {blob!r} is not a torch.save stream: {e}") from e
-    try:
-        tree = inert_load(data)
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        ValueError,
-        TypeError,
-        IndexError,
-        KeyError,
-        AttributeError,
-        RecursionError,
-        MemoryError,
-    ) as e:
-        raise CorruptCheckpointError(f"opaque item {blob!r}: its pickle is unreadable: {e}") from e
-    return _plain(tree, blob, 0)
+    return _plain(inert_load(data, f"opaque item {blob!r}: its pickle"), blob, 0)
 
 
 def _plain(node: Any, blob: str, depth: int) -> Any:
