@@ -41,6 +41,7 @@ from rich.progress import (
 from reshard_svc._process import free_port, set_pdeathsig
 from reshard_svc.jobs.argv import worker_argv
 from reshard_svc.jobs.environment import worker_env
+from reshard_svc.jobs.events import done_event
 
 __all__ = ["Outcome", "ProgressOut", "run_in_process", "run_workers", "leftovers"]
 
@@ -145,20 +146,7 @@ def run_in_process(spec: Any, progress: ProgressOut) -> Outcome:
         except Exception as e:  # a bug or the machine: one line, and the log has the rest
             logging.getLogger("reshard_client").debug("convert failed", exc_info=True)
             return Outcome(error=f"{type(e).__name__}: {e}")
-    return Outcome(
-        done={
-            "event": "done",
-            "strategy": result.strategy,
-            "seconds": round(time.time() - started, 3),
-            "bytes_read": result.bytes_read_total,
-            "bytes_written": result.bytes_written_total,
-            "bytes_exchanged": result.bytes_exchanged,
-            "tensors": len(result.index.tensors),
-            "cast": result.cast,
-            "kept": result.kept,
-            "dequantized": result.dequantized,
-        }
-    )
+    return Outcome(done=done_event(result, time.time() - started))
 
 
 @contextlib.contextmanager

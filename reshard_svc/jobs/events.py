@@ -24,9 +24,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard_svc.errors import UsageError
+
+if TYPE_CHECKING:
+    from reshard_svc.runtime.convert import ConvertResult
 from reshard_svc.jobs.environment import CALLBACK_TIMEOUT_ENV, CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
 
 EVENT_KINDS = ("progress", "done", "error")
@@ -49,6 +52,22 @@ _EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 _OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "done": {"cast": int, "kept": int, "dequantized": int},
 }
+
+
+def done_event(result: ConvertResult, seconds: float) -> dict[str, Any]:
+    """The ``done`` event of a finished conversion (the CLI prints it, the worker posts it)."""
+    return {
+        "event": "done",
+        "strategy": result.strategy,
+        "seconds": round(seconds, 3),
+        "bytes_read": result.bytes_read_total,
+        "bytes_written": result.bytes_written_total,
+        "bytes_exchanged": result.bytes_exchanged,
+        "tensors": len(result.index.tensors),
+        "cast": result.cast,
+        "kept": result.kept,
+        "dequantized": result.dequantized,
+    }
 
 
 def check_event(record: Any) -> dict[str, Any]:
@@ -102,7 +121,14 @@ def latest_events(
     return progress, final
 
 
-__all__ = ["EVENT_KINDS", "EventReporter", "check_event", "latest_events", "read_events"]
+__all__ = [
+    "EVENT_KINDS",
+    "EventReporter",
+    "check_event",
+    "done_event",
+    "latest_events",
+    "read_events",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from reshard_svc._process import set_pdeathsig
 from reshard_svc.errors import UsageError
 from reshard_svc.jobs.argv import build_parser, from_args
 from reshard_svc.jobs.environment import DIE_WITH_PARENT_ENV, JOB_ENV, PARENT_ENV, lease_owner
-from reshard_svc.jobs.events import EventReporter
+from reshard_svc.jobs.events import EventReporter, done_event
 from reshard_svc.plan.spec import ConvertSpec
 from reshard_svc.storage import leases
 
@@ -137,20 +137,7 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the run aborted (nothing committed)
         reporter.send({"event": "error", "error": "Interrupted: nothing was committed"})
         return 130
-    reporter.send(
-        {
-            "event": "done",
-            "strategy": result.strategy,
-            "seconds": round(time.time() - started, 3),
-            "bytes_read": result.bytes_read_total,
-            "bytes_written": result.bytes_written_total,
-            "bytes_exchanged": result.bytes_exchanged,
-            "tensors": len(result.index.tensors),
-            "cast": result.cast,
-            "kept": result.kept,
-            "dequantized": result.dequantized,
-        }
-    )
+    reporter.send(done_event(result, time.time() - started))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
