@@ -23,8 +23,8 @@ from reshard_svc.errors import (
     StateDictError,
     StorageError,
 )
-from reshard_svc.format.index import CheckpointIndex
-from reshard_svc.format.reader import SPAN, read_header
+from reshard_svc.format.index import CheckpointIndex, FileMeta
+from reshard_svc.format.reader import SPAN, DataCheck, read_header
 from reshard_svc.format.readers import open_checkpoint, source_of
 from reshard_svc.storage import Storage, open_storage
 
@@ -130,74 +130,96 @@ def verify(
     except (CheckpointError, StorageError) as e:
         report.problems.append(f"{type(e).__name__}: {e}")
         return report
-    source = source_of(index)
-    report.tensors = len(index.tensors)
-    report.checksum = source.checksum(index)
-    by_file: dict[str, list[tuple[Any, Any]]] = {}
-    for t in index.tensors.values():
-        for c in t.chunks:
-            by_file.setdefault(c.file, []).append((t, c))
-    advance = _Tally(sum(m.size for m in index.files.values()), progress)
+    return _Verification(storage, index, report, progress).run(workers)
 
-    # Structure first (sizes, headers), then the data: spans of blocks (or whole files
-    # when a sha256 must be computed in order) on a thread pool; CRC32C, sha256 and
-    # reads release the GIL. Problems are reported in file order.
-    names = sorted(index.files)
-    problems: dict[str, list[str]] = {n: [] for n in names}
-    tasks: list[tuple[str, int, int]] = []
-    own: dict[str, Any] = {}  # the source's own check of a file's bytes
-    for name in names:
-        meta = index.files[name]
-        try:
-            ok = _verify_structure(storage, name, meta, by_file.get(name, []), problems[name])
-        except MissingFileError:
-            problems[name].append(f"{name}: data file is missing")
-            ok = False
-        except (CheckpointError, StorageError) as e:
-            problems[name].append(f"{name}: {e}")
-            ok = False
-        report.files_checked += 1
-        own_check = source.data_check(name, meta) if ok else None
-        if own_check is not None:
-            own[name] = own_check
-            tasks.append((name, -1, meta.size))
-            continue
+
+#: One check of a data file's bytes: (file, the source's own check or None for the
+#: index's blocks and sha256, begin, end).
+_Task = tuple[str, DataCheck | None, int, int]
+
+
+class _Verification:
+    """One ``verify``: each file's structure first (sizes, headers), then its data in
+    tasks (spans of blocks, or whole files when a sha256 must be computed in order, or the
+    source's own check) on a thread pool; CRC32C, sha256 and reads release the GIL.
+    Problems are reported in file order."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        index: CheckpointIndex,
+        report: VerifyReport,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        self.storage, self.index, self.report = storage, index, report
+        self.source = source_of(index)
+        report.tensors = len(index.tensors)
+        report.checksum = self.source.checksum(index)
+        self.by_file: dict[str, list[tuple[Any, Any]]] = {}
+        for t in index.tensors.values():
+            for c in t.chunks:
+                self.by_file.setdefault(c.file, []).append((t, c))
+        self.advance = _Tally(sum(m.size for m in index.files.values()), progress)
+        self.problems: dict[str, list[str]] = {n: [] for n in sorted(index.files)}
+
+    def run(self, workers: int) -> VerifyReport:
+        tasks = [task for name in self.problems for task in self.tasks(name)]
+        with ThreadPoolExecutor(max(1, min(workers, len(tasks) or 1))) as pool:
+            for name, found, hashed in pool.map(self.check, tasks):
+                self.problems[name].extend(found)
+                self.report.bytes_hashed += hashed
+        for found in self.problems.values():
+            self.report.problems.extend(found)
+        if not self.report.problems:
+            self.report.problems.extend(self.source.verify_more(self.storage, self.index))
+        return self.report
+
+    def tasks(self, name: str) -> list[_Task]:
+        """The checks of one file's bytes once its structure passed; a file nothing
+        records checksums for is counted unchecked, with the source's reason."""
+        meta = self.index.files[name]
+        ok = self.structure(name, meta)
+        self.report.files_checked += 1
+        own = self.source.data_check(name, meta) if ok else None
+        if own is not None:
+            return [(name, own, 0, meta.size)]
         if not ok or (meta.blocks is None and meta.sha256 is None):
             if ok:
-                report.bytes_unchecked += meta.size
-                reason = source.unchecked(index)
-                if reason not in report.unchecked:
-                    report.unchecked.append(reason)
-            advance(meta.size)
-            continue
+                self.report.bytes_unchecked += meta.size
+                reason = self.source.unchecked(self.index)
+                if reason not in self.report.unchecked:
+                    self.report.unchecked.append(reason)
+            self.advance(meta.size)
+            return []
         if meta.sha256 is not None or meta.blocks is None:
-            tasks.append((name, 0, meta.size))
-        else:
-            step = max(meta.blocks.block_size, SPAN - SPAN % meta.blocks.block_size)
-            tasks.extend((name, a, min(meta.size, a + step)) for a in range(0, meta.size, step))
+            return [(name, None, 0, meta.size)]
+        step = max(meta.blocks.block_size, SPAN - SPAN % meta.blocks.block_size)
+        return [(name, None, a, min(meta.size, a + step)) for a in range(0, meta.size, step)]
 
-    def check(task: tuple[str, int, int]) -> tuple[str, list[str], int]:
-        name, lo, hi = task
+    def structure(self, name: str, meta: FileMeta) -> bool:
+        """Size and header checks; False when the data cannot be checked further."""
+        out = self.problems[name]
+        try:
+            return _verify_structure(self.storage, name, meta, self.by_file.get(name, []), out)
+        except MissingFileError:
+            out.append(f"{name}: data file is missing")
+        except (CheckpointError, StorageError) as e:
+            out.append(f"{name}: {e}")
+        return False
+
+    def check(self, task: _Task) -> tuple[str, list[str], int]:
+        name, own, lo, hi = task
         found: list[str] = []
         try:
-            if lo < 0:
-                hashed = own[name](storage, name, hi, found, advance)
+            if own is not None:
+                hashed = own(self.storage, name, hi, found, self.advance)
             else:
-                hashed = _check_data(storage, name, index.files[name], lo, hi, found, advance)
+                meta = self.index.files[name]
+                hashed = _check_data(self.storage, name, meta, lo, hi, found, self.advance)
         except (CheckpointError, StorageError) as e:
             found.append(f"{name}: {e}")
             hashed = 0
         return name, found, hashed
-
-    with ThreadPoolExecutor(max(1, min(workers, len(tasks) or 1))) as pool:
-        for name, found, hashed in pool.map(check, tasks):
-            problems[name].extend(found)
-            report.bytes_hashed += hashed
-    for name in names:
-        report.problems.extend(problems[name])
-    if not report.problems:
-        report.problems.extend(source.verify_more(storage, index))
-    return report
 
 
 class _Tally:
