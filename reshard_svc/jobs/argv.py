@@ -62,7 +62,7 @@ def from_argv(argv: list[str], nodes: int = 1, workers_per_node: int = 1) -> Con
 
 
 def from_args(args: argparse.Namespace, nodes: int = 1, workers_per_node: int = 1) -> ConvertSpec:
-    values = options_from_text(vars(args), placement=False)
+    values = options_from_text(vars(args), placement=False, files=False)
     if args.no_checksum:
         values["checksum"] = "none"
     return ConvertSpec(

@@ -498,11 +498,14 @@ def argument_help(name: str) -> str:
     return str(next(f for f in fields(ConvertSpec) if f.name == name).metadata["argument"])
 
 
-def options_from_text(values: Mapping[str, Any], *, placement: bool = True) -> dict[str, Any]:
+def options_from_text(
+    values: Mapping[str, Any], *, placement: bool = True, files: bool = True
+) -> dict[str, Any]:
     """Command-line values (keyed by :meth:`Option.param`, as typed) as spec fields: a mesh
     parsed (``dp=2,tp=4``), rules read (a YAML/JSON file, or inline JSON), renames read
-    (``FROM=TO`` texts, or files of them); a negated flag given turns its field off.
-    Options not given (None, False, empty) are left out: they keep their defaults."""
+    (``FROM=TO`` texts, or, with ``files``, YAML/JSON files of them: a person's command
+    line; the worker's holds the rules themselves); a negated flag given turns its field
+    off. Options not given (None, False, empty) are left out: they keep their defaults."""
     out: dict[str, Any] = {}
     for name, _, opt in options(placement=placement):
         value = values.get(opt.param(name))
@@ -514,7 +517,7 @@ def options_from_text(values: Mapping[str, Any], *, placement: bool = True) -> d
             value = parse_mesh(value)
         elif opt.form == "rules":
             value = _rules_text(value)
-        elif name == "rename":
+        elif name == "rename" and files:
             from reshard_svc.plan.names import load_renames
 
             value = [str(r) for r in load_renames(list(value)) or ()] or None
