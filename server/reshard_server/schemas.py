@@ -97,7 +97,9 @@ class _Options(BaseModel):
         return self.model_dump(include=set(OPTION_FIELDS), exclude_none=True)
 
 
-_FORMS: dict[str, Option] = {name: opt for name, _, opt in options()} | {"workers": WORKERS}
+#: every spec option, and the ``workers`` shorthand of a body
+_OPTIONS = [*options(), ("workers", None, WORKERS)]
+_FORMS: dict[str, Option] = {name: opt for name, _, opt in _OPTIONS}
 _GLOB = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
@@ -126,9 +128,8 @@ def _json_field(default: Any, opt: Option) -> tuple[Any, Any]:
     return str | None, Field(default=None, min_length=1, max_length=1024, description=text)
 
 
-_FIELDS: dict[str, Any] = {name: _json_field(default, opt) for name, default, opt in options()}
-_FIELDS["workers"] = _json_field(None, WORKERS)
-#: the fields of a conversion's options in a body (every spec option, and ``workers``)
+_FIELDS: dict[str, Any] = {name: _json_field(default, opt) for name, default, opt in _OPTIONS}
+#: the fields of a conversion's options in a body
 OPTION_FIELDS = frozenset(_FIELDS)
 
 if TYPE_CHECKING:
