@@ -10,6 +10,8 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
+from reshard_svc.plan.spec import Option, options
+
 __all__ = [
     "app",
     "err",
@@ -63,7 +65,6 @@ def size_text(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-#: box colours, cycled (distinct on dark and light terminals)
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point."""
     return app(args=argv)
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> Any:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _typer_param(name: str, default: Any, opt: Any) -> inspect.Parameter:
+def _typer_param(name: str, default: Any, opt: Option) -> inspect.Parameter:
     """One ConvertSpec option as a typer option: flag, type, default and help from the spec."""
     flag, form = opt.flag(name), opt.form
     info: dict[str, Any] = {"help": opt.flag_help()}
@@ -104,8 +105,6 @@ def spec_options(*, placement: bool) -> Callable[[F], F]:
     its arguments; ``placement``: ``--nodes`` and ``--workers-per-node`` too). The command
     takes them as ``**options``, keyed by :meth:`~reshard_svc.plan.spec.Option.param`, and
     turns them into spec fields with :func:`~reshard_svc.plan.spec.options_from_text`."""
-    from reshard_svc.plan.spec import options
-
     added = [
         _typer_param(name, default, opt) for name, default, opt in options(placement=placement)
     ]

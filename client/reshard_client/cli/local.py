@@ -27,6 +27,7 @@ from reshard_client.cli._app import (
     spec_options,
 )
 
+#: box colours, cycled (distinct on dark and light terminals)
 PALETTE = (
     "red",
     "green",
