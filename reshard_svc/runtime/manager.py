@@ -67,7 +67,10 @@ logger = logging.getLogger(__name__)
 STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
 #: what a local save interrupted by a dead job leaves beside a step folder
-_LEASE = re.compile(r"\.(step-\d+)\.lease\.json")
+#: a step's lease, and what a lease operation killed midway leaves beside it
+_LEASE = re.compile(
+    r"\.(step-\d+)\.lease\.json(?:\.(?:\d+\.tmp|(?:drop|taken)-\d+-[0-9A-Za-z_]+))?"
+)
 _LEFTOVER = re.compile(r"\.step-(\d+)\.(?:(?:staging|old)-[0-9a-f]{32}|lease\.json\.\d+\.tmp)")
 
 
@@ -484,7 +487,8 @@ def _step_folders(
     root: str, storage_options: Mapping[str, Any] | None, *, leases: bool = False
 ) -> dict[int, str]:
     """Step folders under ``root`` by step; with ``leases``, also the steps that have only
-    a lease beside them (``.step-N.lease.json``)."""
+    a lease beside them (``.step-N.lease.json``), or only what a killed lease operation left
+    (``.step-N.lease.json.drop-<pid>-<uuid>``...)."""
     storage = open_storage(root, storage_options)
     out: dict[int, str] = {}
     for name in storage.listdir():

@@ -44,7 +44,10 @@ __all__ = ["LocalStorage"]
 
 logger = logging.getLogger(__name__)
 _TOKEN = re.compile(r"[0-9a-f]{32}")
-_LEASE_TMP = re.compile(r"\.(\d+)\.tmp")
+#: What a lease operation killed midway leaves beside the lease, each naming its process:
+#: a renewal's record (``<lease>.<pid>.tmp``), a lease renamed aside to be dropped or taken
+#: over (``<lease>.drop-<pid>-<uuid>``, ``<lease>.taken-<pid>-<token>``).
+_LEASE_DEBRIS = re.compile(r"\.(?:(\d+)\.tmp|(?:drop|taken)-(\d+)-[0-9A-Za-z_]+)")
 
 
 def _alive(pid: int) -> bool:
@@ -420,8 +423,9 @@ class LocalStorage(FsspecStorage):
         return _read_lease(self.lease_path())
 
     def lease_debris(self) -> list[str]:
-        """Temporary lease records (``<lease>.<pid>.tmp``) of renewals whose process died
-        between writing and renaming them."""
+        """What lease operations of dead processes left beside the lease
+        (:data:`_LEASE_DEBRIS`): a renewal killed between writing its record and renaming
+        it, a release or takeover killed between renaming the lease aside and removing it."""
         parent, prefix = os.path.split(self.lease_path())
         try:
             names = os.listdir(parent or ".")
@@ -429,8 +433,8 @@ class LocalStorage(FsspecStorage):
             return []
         out = []
         for name in names:
-            m = _LEASE_TMP.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
-            if m is not None and not _alive(int(m.group(1))):
+            m = _LEASE_DEBRIS.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
+            if m is not None and not _alive(int(m.group(1) or m.group(2))):
                 out.append(os.path.join(parent, name))
         return out
 
@@ -454,7 +458,7 @@ class LocalStorage(FsspecStorage):
         aside, one succeeds; it checks that what it moved is the version it judged stale
         (else puts it back) and creates its own."""
         path = self.lease_path()
-        aside = f"{path}.taken-{token}"
+        aside = f"{path}.taken-{os.getpid()}-{token}"
         with translate_errors("take over the lease", path):
             try:
                 os.rename(path, aside)
@@ -474,7 +478,7 @@ class LocalStorage(FsspecStorage):
 
     def drop_lease(self, version: str) -> None:
         path = self.lease_path()
-        aside = f"{path}.drop-{uuid.uuid4().hex}"
+        aside = f"{path}.drop-{os.getpid()}-{uuid.uuid4().hex}"
         with translate_errors("remove the lease", path):
             try:
                 os.rename(path, aside)

@@ -211,6 +211,34 @@ def test_gc_of_a_clean_folder_says_so(tmp_path):
     assert out.returncode == 0 and "nothing to collect" in out.stdout
 
 
+def test_a_lease_renamed_aside_by_a_killed_release_or_takeover_is_collected(tmp_path):
+    """Releasing or taking over a lease renames it aside first (``<lease>.drop-<pid>-…``,
+    ``<lease>.taken-<pid>-…``): killed before removing it, the aside is the dead process's
+    and gc removes it; a live process's aside (mid-operation) stays."""
+    uri = str(tmp_path / "ck")
+    reshard_svc.save(sd(1.0), uri)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lease = open_storage(uri).lease_path()
+    left = [
+        Path(f"{lease}.drop-{int(dead.stdout)}-{'a' * 32}"),
+        Path(f"{lease}.taken-{int(dead.stdout)}-{'b' * 32}"),
+    ]
+    live = Path(f"{lease}.drop-{os.getpid()}-{'c' * 32}")
+    for p in (*left, live):
+        p.write_bytes(b"{}")
+    out = run_cli("gc", uri, "--json")
+    assert out.returncode == 0, out.stderr
+    removed = json.loads(out.stdout)["removed"]
+    assert all(str(p) in removed and not p.exists() for p in left)
+    assert live.exists()
+    assert read(uri) == 1.0
+
+
 def test_a_lease_record_left_mid_renewal_by_a_dead_process_is_collected(tmp_path):
     """A renewal writes ``<lease>.<pid>.tmp`` and renames it over the lease: killed in
     between, the temporary file is the dead process's; gc removes it, a live one's stays."""

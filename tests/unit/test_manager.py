@@ -279,3 +279,27 @@ def test_retention_collects_the_lease_of_a_save_killed_before_its_folder(tmp_pat
     with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:
         mgr.save(10, {"w": torch.zeros(3)})
     assert sorted(os.listdir(root)) == ["notes.lease.json", step_name(10)]
+
+
+def test_retention_collects_a_lease_a_killed_release_renamed_aside(tmp_path):
+    """Releasing a step's lease renames it aside, then removes it: killed in between, only
+    ``.step-N.lease.json.drop-<pid>-<uuid>`` is left (no lease, no folder); the next
+    retention collects it (a dead pid), and leaves files that are not ours alone."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    root.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    aside = root / f".{step_name(23)}.lease.json.drop-{int(dead.stdout)}-{'0' * 32}"
+    aside.write_text("{}")
+    other = root / f".{step_name(24)}.lease.json.notes"  # not a lease operation's: kept
+    other.write_text("{}")
+    with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:
+        mgr.save(30, {"w": torch.zeros(3)})
+    assert sorted(os.listdir(root)) == [other.name, step_name(30)]
