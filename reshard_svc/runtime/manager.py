@@ -66,11 +66,14 @@ logger = logging.getLogger(__name__)
 #: The extras key each step's index records its step under.
 STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
-#: what a local save interrupted by a dead job leaves beside a step folder
+#: A step being retired: a copy of its index, written before the index is removed, so
+#: that a retirement killed midway is finished by the next (and only its files go).
+RETIRING = ".reshard.retiring.json"
 #: a step's lease, and what a lease operation killed midway leaves beside it
 _LEASE = re.compile(
     r"\.(step-\d+)\.lease\.json(?:\.(?:\d+\.tmp|(?:drop|taken)-\d+-[0-9A-Za-z_]+))?"
 )
+#: what a local save interrupted by a dead job leaves beside a step folder
 _LEFTOVER = re.compile(r"\.step-(\d+)\.(?:(?:staging|old)-[0-9a-f]{32}|lease\.json\.\d+\.tmp)")
 
 
@@ -324,16 +327,19 @@ class CheckpointManager:
                 logger.warning("retention under %s failed", self.root, exc_info=True)
 
     def _retire(self, step: int) -> None:
-        """Delete one committed step folder of ours: its index first (so it is no longer
-        committed), then the files that index lists, then the folder if it is empty."""
+        """Delete one committed step folder of ours. The index is first copied to a
+        retirement record (:data:`RETIRING`) and then removed (the step is no longer
+        committed), then the files it lists go, then the record, then the folder if it is
+        empty. A retirement killed midway is finished by the next one
+        (:meth:`_collect_leftovers` reads the record); nothing else is ever deleted."""
         uri = self._step_uri(step)
         storage = open_storage(uri, self.storage_options)
         try:
-            index = CheckpointIndex.loads(storage.read(INDEX_NAME), f"{uri}/{INDEX_NAME}")
+            raw = storage.read(INDEX_NAME)
+            CheckpointIndex.loads(raw, f"{uri}/{INDEX_NAME}")
+            storage.write(RETIRING, raw)
             storage.remove(INDEX_NAME)
-            for name in index.files:
-                storage.remove(name)
-            _remove_if_empty(storage)
+            _finish_retirement(storage)
             logger.info("retention: removed step %d (%s)", step, uri)
         except (CheckpointError, StorageError, OSError) as e:
             logger.warning("retention: could not remove step %d at %s: %s", step, uri, e)
@@ -348,6 +354,9 @@ class CheckpointManager:
             storage = open_storage(f"{self.root}/{name}", self.storage_options)
             try:
                 collect(storage)
+                if storage.exists(RETIRING):  # a retirement killed midway
+                    _finish_retirement(storage)
+                    logger.info("retention: finished removing step %d (%s)", step, name)
                 _remove_if_empty(storage)
             except Exception as e:  # reported, never raised
                 logger.warning("could not collect the leftovers of %s: %s", storage.uri, e)
@@ -472,6 +481,16 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise UsageError("this CheckpointManager is closed")
+
+
+def _finish_retirement(storage: Any) -> None:
+    """Remove the files a retirement record lists, then the record."""
+    raw = storage.read(RETIRING)
+    index = CheckpointIndex.loads(raw, f"{storage.uri}/{RETIRING}")
+    for name in index.files:
+        storage.remove(name)  # a file already gone is no error
+    storage.remove(RETIRING)
+    _remove_if_empty(storage)
 
 
 def _remove_if_empty(storage: Any) -> None:

@@ -82,7 +82,7 @@ def _forever(root: str, ready: str) -> None:
 def test_kill_9_at_random_points_always_resumes_from_a_whole_committed_step(tmp_path):
     """The whole job killed (-9) at random moments of its save loop (snapshot, write,
     commit, retention): each resume loads the newest committed step, bitwise; no folder is
-    ever committed half-written; retention collects what the dead saves left."""
+    ever committed half-written; the resume's retention collects all the dead job left."""
     import random
 
     import psutil
@@ -116,9 +116,9 @@ def test_kill_9_at_random_points_always_resumes_from_a_whole_committed_step(tmp_
         for name in os.listdir(root):  # whatever says committed is whole
             if os.path.exists(os.path.join(root, name, "reshard.index.json")):
                 assert reshard_svc.verify(os.path.join(root, name)).ok, name
-    # the last resume's save ran retention: only the newest 2 committed steps, no leftovers
-    names = sorted(os.listdir(root))
-    assert len(names) == 2 and all(
-        os.path.exists(os.path.join(root, n, "reshard.index.json")) for n in names
-    ), names
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".run") and "lease" in n]
+        # the resume's save ran retention: the newest 2 committed steps, no leftovers
+        names = sorted(os.listdir(root))
+        assert len(names) == 2 and all(
+            os.path.exists(os.path.join(root, n, "reshard.index.json")) for n in names
+        ), (point, names)
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".run") and "lease" in n]

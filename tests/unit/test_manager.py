@@ -303,3 +303,42 @@ def test_retention_collects_a_lease_a_killed_release_renamed_aside(tmp_path):
     with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:
         mgr.save(30, {"w": torch.zeros(3)})
     assert sorted(os.listdir(root)) == [other.name, step_name(30)]
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL inside a retirement (not an Exception: nothing catches it)."""
+
+
+@pytest.mark.parametrize("kill_after", [0, 1, 2])
+def test_a_retirement_killed_midway_is_finished_by_the_next(tmp_path, monkeypatch, kill_after):
+    """Retention removes a step's index, then the files it lists. Killed after any of its
+    removals, the next save's retention finishes it from the retirement record, and a file
+    that is not the checkpoint's stays with its folder."""
+    from reshard_svc.storage.local import LocalStorage
+
+    root = tmp_path / "run"
+    value = {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.ones(64)}
+    with CheckpointManager(str(root), async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, value)
+    (root / step_name(2) / "notes.txt").write_text("mine")
+    removals = {"n": 0}
+    real_remove = LocalStorage.remove
+
+    def remove(self, name):
+        if removals["n"] == kill_after:
+            raise _Killed
+        removals["n"] += 1
+        real_remove(self, name)
+
+    with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:
+        monkeypatch.setattr(LocalStorage, "remove", remove)
+        with pytest.raises(_Killed):
+            mgr.save(4, value)  # its retention retires step 1, and is killed
+        monkeypatch.setattr(LocalStorage, "remove", real_remove)
+        assert mgr.steps() == ([1, 2, 3, 4] if kill_after == 0 else [2, 3, 4])
+        assert os.listdir(root / step_name(1))
+        mgr.save(5, value)  # retires 2 and 3 (and 1, if still committed), finishes 1
+        assert mgr.steps() == [4, 5]
+    assert sorted(os.listdir(root)) == [step_name(s) for s in (2, 4, 5)]
+    assert os.listdir(root / step_name(2)) == ["notes.txt"]  # not ours: it stays
