@@ -529,7 +529,8 @@ class StepInfo:
     bytes: int
     #: seconds since its last change (the index, or the newest file), when the store says
     age_s: float | None
-    #: what the retention policy does with it: ``keep``, ``delete``, or None (partial)
+    #: what the retention policy does with it: ``keep``, ``delete`` (also a partial step
+    #: whose retirement was interrupted: the next retention finishes it), or None (partial)
     policy: str | None
 
     def to_json(self) -> dict[str, Any]:
@@ -568,7 +569,8 @@ def list_steps(
                 age = max(0.0, now - storage.fs.modified(storage.path(newest)).timestamp())
             except Exception:  # a store that does not say
                 age = None
-        rows.append((step, name, committed, sum(files.values()), age))
+        retiring = RETIRING in files if sizes else storage.exists(RETIRING)
+        rows.append((step, name, committed, sum(files.values()), age, retiring))
     keep = retained([r[0] for r in rows if r[2]], keep_last, keep_every)
     return [
         StepInfo(
@@ -577,7 +579,7 @@ def list_steps(
             committed=c,
             bytes=b,
             age_s=a,
-            policy=("keep" if s in keep else "delete") if c else None,
+            policy=("keep" if s in keep else "delete") if c else ("delete" if r else None),
         )
-        for s, n, c, b, a in rows
+        for s, n, c, b, a, r in rows
     ]

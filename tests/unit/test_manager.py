@@ -314,6 +314,7 @@ def test_a_retirement_killed_midway_is_finished_by_the_next(tmp_path, monkeypatc
     """Retention removes a step's index, then the files it lists. Killed after any of its
     removals, the next save's retention finishes it from the retirement record, and a file
     that is not the checkpoint's stays with its folder."""
+    from reshard_svc.runtime.manager import list_steps
     from reshard_svc.storage.local import LocalStorage
 
     root = tmp_path / "run"
@@ -338,6 +339,9 @@ def test_a_retirement_killed_midway_is_finished_by_the_next(tmp_path, monkeypatc
         monkeypatch.setattr(LocalStorage, "remove", real_remove)
         assert mgr.steps() == ([1, 2, 3, 4] if kill_after == 0 else [2, 3, 4])
         assert os.listdir(root / step_name(1))
+        first = list_steps(str(root))[0]  # what `reshard steps` shows
+        want = ("keep", True) if kill_after == 0 else ("delete", False)  # next one deletes it
+        assert (first.step, first.policy, first.committed) == (1, *want)
         mgr.save(5, value)  # retires 2 and 3 (and 1, if still committed), finishes 1
         assert mgr.steps() == [4, 5]
     assert sorted(os.listdir(root)) == [step_name(s) for s in (2, 4, 5)]
