@@ -39,7 +39,7 @@ from reshard_svc.storage import open_storage
 from reshard_svc.storage.base import CollectReport, Committer, LeaseState, LeaseStore, Storage
 from reshard_svc.storage.leases import Lease, LeaseRecord, parse
 
-__all__ = ["GcReport", "TargetRun", "collect", "replaced_files"]
+__all__ = ["GcReport", "TargetRun", "collect", "collect_lease_debris", "replaced_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +96,19 @@ def _collect_orphans(target: Target, keep: set[str], report: CollectReport, dry_
         if token in keep or any(k.startswith(token) for k in keep):
             continue
         target.collect_run(token, None, current, report, owner=False, dry_run=dry_run)
+    collect_lease_debris(target, report, dry_run)
+
+
+def collect_lease_debris(
+    target: Any, report: CollectReport | None = None, dry_run: bool = False
+) -> None:
+    """Remove what lease operations of dead processes left beside ``target``'s lease (on
+    local folders: a renewal's record not yet renamed, a lease renamed aside by a release
+    or takeover and not yet removed). A live process's are never touched."""
     debris = getattr(target, "lease_debris", None)
     for path in debris() if debris is not None else ():
-        report.removed.append(path)
+        if report is not None:
+            report.removed.append(path)
         if not dry_run:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)

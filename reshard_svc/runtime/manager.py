@@ -49,7 +49,7 @@ from reshard_svc.errors import (
     StorageError,
     UsageError,
 )
-from reshard_svc.format.collect import collect
+from reshard_svc.format.collect import collect, collect_lease_debris
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.plan.retention import check_policy, parse_step, retained, step_name
 from reshard_svc.runtime.async_save import AsyncSaver
@@ -159,6 +159,10 @@ class CheckpointManager:
             "checkpoint-manager",
             lambda holder, state: None,  # type: ignore[arg-type]
         )
+        try:  # what a dead job's operations on the root's lease left beside it
+            collect_lease_debris(storage)
+        except OSError as e:
+            logger.warning("could not collect the lease debris beside %s: %s", self.root, e)
         self._finish_interrupted(storage)
 
     def _finish_interrupted(self, storage: Any) -> None:

@@ -346,3 +346,29 @@ def test_a_retirement_killed_midway_is_finished_by_the_next(tmp_path, monkeypatc
         assert mgr.steps() == [4, 5]
     assert sorted(os.listdir(root)) == [step_name(s) for s in (2, 4, 5)]
     assert os.listdir(root / step_name(2)) == ["notes.txt"]  # not ours: it stays
+
+
+def test_the_roots_lease_debris_of_a_dead_job_is_collected_at_construction(tmp_path):
+    """A job killed while renewing or taking over the root's lease leaves
+    ``.run.lease.json.<pid>.tmp`` or ``.run.lease.json.taken-<pid>-<token>`` beside the
+    root: the next manager on that root removes a dead process's, never a live one's."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    root.mkdir()
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    stale = [f".run.lease.json.{dead}.tmp", f".run.lease.json.taken-{dead}-{'1' * 32}"]
+    alive = [f".run.lease.json.taken-{os.getpid()}-{'2' * 32}", ".run.lease.json.notes"]
+    for name in stale + alive:
+        (tmp_path / name).write_text("{}")
+    with CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(3)})
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".run")) == sorted(alive)
