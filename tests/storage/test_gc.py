@@ -260,3 +260,42 @@ def test_a_lease_record_left_mid_renewal_by_a_dead_process_is_collected(tmp_path
     assert str(left) in json.loads(out.stdout)["removed"]
     assert not left.exists() and live.exists()
     assert read(uri) == 1.0
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL (not an Exception: nothing on the way catches it)."""
+
+
+def test_a_retention_killed_after_uncommitting_a_step_is_finished_on_every_backend(
+    root, monkeypatch
+):
+    """Retention uncommits a step (its index goes), then removes the files the index
+    listed. Killed in between, on any store, the next retention finishes it from the
+    retirement record, and the checkpoint's other steps are untouched."""
+    from reshard_svc import CheckpointManager
+    from reshard_svc.storage.fsspec_store import FsspecStorage
+
+    run = f"{root}/run"
+    with CheckpointManager(run, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, sd(float(step)))
+    real_remove = FsspecStorage.remove
+    calls = []
+
+    def remove(self, name):
+        if name.endswith(".safetensors"):  # the index has gone, the data files not yet
+            raise _Killed
+        calls.append(name)
+        real_remove(self, name)
+
+    with CheckpointManager(run, keep_last=2, async_save=False) as mgr:
+        monkeypatch.setattr(FsspecStorage, "remove", remove)
+        with pytest.raises(_Killed):
+            mgr.save(3, sd(3.0))
+        monkeypatch.setattr(FsspecStorage, "remove", real_remove)
+        assert INDEX_NAME in calls and mgr.steps() == [2, 3]
+        assert open_storage(f"{run}/step-0000000001").listdir()  # files left behind
+        mgr.save(4, sd(4.0))
+        assert mgr.steps() == [3, 4]
+    assert sorted(open_storage(run).listdir()) == ["step-0000000003", "step-0000000004"]
+    assert read(f"{run}/step-0000000004") == 4.0
