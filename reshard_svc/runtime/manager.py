@@ -326,7 +326,7 @@ class CheckpointManager:
                     keep |= set(holds())  # still being read (an export job)
                 for step in sorted(set(committed) - keep):
                     self._retire(step)
-                self._collect_leftovers(set(committed))
+                self._collect_leftovers(set(committed) & keep)
             except Exception:  # housekeeping never fails training
                 logger.warning("retention under %s failed", self.root, exc_info=True)
 
@@ -349,17 +349,17 @@ class CheckpointManager:
             logger.warning("retention: could not remove step %d at %s: %s", step, uri, e)
 
     def _collect_leftovers(self, committed: set[int]) -> None:
-        """What dead saves left in step folders that never committed (stale leases only),
-        and the lease of a save killed before it made its folder (the lease comes first)."""
-        folders = _step_folders(self.root, self.storage_options, leases=True)
-        for step, name in folders.items():
-            if step in committed:
+        """What dead saves left: in step folders that never committed (stale leases only),
+        the lease of a save killed before it made its folder (the lease comes first), and
+        the stale lease of a save killed after its commit, before it released the lease."""
+        for step, (name, leased) in _step_entries(self.root, self.storage_options).items():
+            if step in committed and not leased:
                 continue
             storage = open_storage(f"{self.root}/{name}", self.storage_options)
             try:
                 collect(storage)
-                if storage.exists(RETIRING):  # a retirement killed midway
-                    _finish_retirement(storage)
+                if storage.exists(RETIRING) and not storage.exists(INDEX_NAME):
+                    _finish_retirement(storage)  # a retirement killed midway
                     logger.info("retention: finished removing step %d (%s)", step, name)
                 _remove_if_empty(storage)
             except Exception as e:  # reported, never raised
@@ -506,20 +506,30 @@ def _remove_if_empty(storage: Any) -> None:
             pass  # not empty (a foreign file stays), or already gone
 
 
-def _step_folders(
-    root: str, storage_options: Mapping[str, Any] | None, *, leases: bool = False
-) -> dict[int, str]:
-    """Step folders under ``root`` by step; with ``leases``, also the steps that have only
-    a lease beside them (``.step-N.lease.json``), or only what a killed lease operation left
-    (``.step-N.lease.json.drop-<pid>-<uuid>``...)."""
-    storage = open_storage(root, storage_options)
+def _step_folders(root: str, storage_options: Mapping[str, Any] | None) -> dict[int, str]:
+    """Step folders under ``root`` by step."""
     out: dict[int, str] = {}
-    for name in storage.listdir():
-        m = _LEASE.fullmatch(name) if leases else None
+    for name in open_storage(root, storage_options).listdir():
+        step = parse_step(name)
+        if step is not None:
+            out.setdefault(step, name)
+    return out
+
+
+def _step_entries(
+    root: str, storage_options: Mapping[str, Any] | None
+) -> dict[int, tuple[str, bool]]:
+    """Every step with anything under ``root``: its folder name, and whether a lease (or
+    what a killed lease operation left: ``.step-N.lease.json.drop-<pid>-<uuid>``...) sits
+    beside it. Includes the steps that have only such a lease and no folder."""
+    out: dict[int, tuple[str, bool]] = {}
+    for name in open_storage(root, storage_options).listdir():
+        m = _LEASE.fullmatch(name)
         folder = m.group(1) if m else name
         step = parse_step(folder)
         if step is not None:
-            out.setdefault(step, folder)
+            leased = m is not None or out.get(step, ("", False))[1]
+            out[step] = (folder, leased)
     return out
 
 

@@ -241,39 +241,45 @@ def test_readme_steps_commands(tmp_path):
     assert sorted(os.listdir(root)) == [step_name(s) for s in (100, 150, 200, 250, 300)]
 
 
-def test_retention_collects_the_lease_of_a_save_killed_before_its_folder(tmp_path):
-    """A save holds its step's lease before it makes the folder: killed in between, it
-    leaves only ``.step-N.lease.json``, which the next retention collects (a dead pid)."""
-    import json
-    import socket
+def _dead_pid() -> int:
     import subprocess
     import sys
 
-    root = tmp_path / "run"
-    root.mkdir()
-    dead = subprocess.run(
+    out = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
         text=True,
         check=True,
     )
-    lease = root / f".{step_name(5)}.lease.json"
-    lease.write_text(
-        json.dumps(
-            {
-                "host": socket.gethostname(),
-                "kind": "save",
-                "owner": "",
-                "pid": int(dead.stdout),
-                "pid_start": 1,
-                "renewed": 0.0,
-                "replaces": [],
-                "started": 0.0,
-                "token": "0" * 32,
-                "ttl": 120.0,
-            }
-        )
-    )
+    return int(out.stdout)
+
+
+def _dead_save_lease(path) -> None:
+    """A step's lease as a save writes it, held by a process that is gone."""
+    import json
+    import socket
+
+    record = {
+        "host": socket.gethostname(),
+        "kind": "save",
+        "owner": "",
+        "pid": _dead_pid(),
+        "pid_start": 1,
+        "renewed": 0.0,
+        "replaces": [],
+        "started": 0.0,
+        "token": "0" * 32,
+        "ttl": 120.0,
+    }
+    path.write_text(json.dumps(record))
+
+
+def test_retention_collects_the_lease_of_a_save_killed_before_its_folder(tmp_path):
+    """A save holds its step's lease before it makes the folder: killed in between, it
+    leaves only ``.step-N.lease.json``, which the next retention collects (a dead pid)."""
+    root = tmp_path / "run"
+    root.mkdir()
+    _dead_save_lease(root / f".{step_name(5)}.lease.json")
     other = root / "notes.lease.json"  # not ours: never touched
     other.write_text("{}")
     with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:
@@ -281,22 +287,28 @@ def test_retention_collects_the_lease_of_a_save_killed_before_its_folder(tmp_pat
     assert sorted(os.listdir(root)) == ["notes.lease.json", step_name(10)]
 
 
+def test_retention_collects_the_lease_of_a_save_killed_after_its_commit(tmp_path):
+    """Killed after its commit and before releasing its lease, a save leaves a committed
+    step with a stale lease beside it: the next retention removes the lease, and the
+    step, which its policy keeps, stays whole."""
+    root = tmp_path / "run"
+    with CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(7, {"w": torch.full((3,), 7.0)})
+    _dead_save_lease(root / f".{step_name(7)}.lease.json")
+    with CheckpointManager(str(root), keep_last=2, async_save=False) as mgr:
+        mgr.save(8, {"w": torch.full((3,), 8.0)})
+        assert mgr.steps() == [7, 8]
+    assert sorted(os.listdir(root)) == [step_name(7), step_name(8)]
+    assert reshard_svc.verify(str(root / step_name(7))).ok
+
+
 def test_retention_collects_a_lease_a_killed_release_renamed_aside(tmp_path):
     """Releasing a step's lease renames it aside, then removes it: killed in between, only
     ``.step-N.lease.json.drop-<pid>-<uuid>`` is left (no lease, no folder); the next
     retention collects it (a dead pid), and leaves files that are not ours alone."""
-    import subprocess
-    import sys
-
     root = tmp_path / "run"
     root.mkdir()
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    aside = root / f".{step_name(23)}.lease.json.drop-{int(dead.stdout)}-{'0' * 32}"
+    aside = root / f".{step_name(23)}.lease.json.drop-{_dead_pid()}-{'0' * 32}"
     aside.write_text("{}")
     other = root / f".{step_name(24)}.lease.json.notes"  # not a lease operation's: kept
     other.write_text("{}")
@@ -352,19 +364,9 @@ def test_the_roots_lease_debris_of_a_dead_job_is_collected_at_construction(tmp_p
     """A job killed while renewing or taking over the root's lease leaves
     ``.run.lease.json.<pid>.tmp`` or ``.run.lease.json.taken-<pid>-<token>`` beside the
     root: the next manager on that root removes a dead process's, never a live one's."""
-    import subprocess
-    import sys
-
     root = tmp_path / "run"
     root.mkdir()
-    dead = int(
-        subprocess.run(
-            [sys.executable, "-c", "import os; print(os.getpid())"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )
+    dead = _dead_pid()
     stale = [f".run.lease.json.{dead}.tmp", f".run.lease.json.taken-{dead}-{'1' * 32}"]
     alive = [f".run.lease.json.taken-{os.getpid()}-{'2' * 32}", ".run.lease.json.notes"]
     for name in stale + alive:
