@@ -21,6 +21,7 @@ from reshard_svc.format import collect as gc
 from reshard_svc.format.index import INDEX_NAME
 from reshard_svc.storage import open_storage
 from tests.support.cli import reshard as run_cli
+from tests.support.processes import dead_pid
 
 
 def sd(value: float) -> dict:
@@ -32,12 +33,6 @@ def read(uri: str) -> float:
     reshard_svc.load(out, uri)
     assert torch.equal(out["b"], torch.arange(7.0) + out["w"][0, 0])
     return float(out["w"][0, 0])
-
-
-def dead_pid() -> int:
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
 
 
 @contextlib.contextmanager
@@ -217,16 +212,11 @@ def test_a_lease_renamed_aside_by_a_killed_release_or_takeover_is_collected(tmp_
     and gc removes it; a live process's aside (mid-operation) stays."""
     uri = str(tmp_path / "ck")
     reshard_svc.save(sd(1.0), uri)
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    dead = dead_pid()
     lease = open_storage(uri).lease_path()
     left = [
-        Path(f"{lease}.drop-{int(dead.stdout)}-{'a' * 32}"),
-        Path(f"{lease}.taken-{int(dead.stdout)}-{'b' * 32}"),
+        Path(f"{lease}.drop-{dead}-{'a' * 32}"),
+        Path(f"{lease}.taken-{dead}-{'b' * 32}"),
     ]
     live = Path(f"{lease}.drop-{os.getpid()}-{'c' * 32}")
     for p in (*left, live):
@@ -244,14 +234,9 @@ def test_a_lease_record_left_mid_renewal_by_a_dead_process_is_collected(tmp_path
     between, the temporary file is the dead process's; gc removes it, a live one's stays."""
     uri = str(tmp_path / "ck")
     reshard_svc.save(sd(1.0), uri)
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    dead = dead_pid()
     lease = open_storage(uri).lease_path()
-    left = Path(f"{lease}.{int(dead.stdout)}.tmp")
+    left = Path(f"{lease}.{dead}.tmp")
     live = Path(f"{lease}.{os.getpid()}.tmp")
     left.write_bytes(b"{}")
     live.write_bytes(b"{}")

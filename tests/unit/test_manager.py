@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import reshard_svc
 from reshard_svc import CheckpointManager, SaveFailedError, TargetBusyError
 from reshard_svc.plan.retention import retained, step_name
+from tests.support.processes import dead_pid
 
 
 @given(
@@ -241,19 +242,6 @@ def test_readme_steps_commands(tmp_path):
     assert sorted(os.listdir(root)) == [step_name(s) for s in (100, 150, 200, 250, 300)]
 
 
-def _dead_pid() -> int:
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(out.stdout)
-
-
 def _dead_save_lease(path) -> None:
     """A step's lease as a save writes it, held by a process that is gone."""
     import json
@@ -263,7 +251,7 @@ def _dead_save_lease(path) -> None:
         "host": socket.gethostname(),
         "kind": "save",
         "owner": "",
-        "pid": _dead_pid(),
+        "pid": dead_pid(),
         "pid_start": 1,
         "renewed": 0.0,
         "replaces": [],
@@ -308,7 +296,7 @@ def test_retention_collects_a_lease_a_killed_release_renamed_aside(tmp_path):
     retention collects it (a dead pid), and leaves files that are not ours alone."""
     root = tmp_path / "run"
     root.mkdir()
-    aside = root / f".{step_name(23)}.lease.json.drop-{_dead_pid()}-{'0' * 32}"
+    aside = root / f".{step_name(23)}.lease.json.drop-{dead_pid()}-{'0' * 32}"
     aside.write_text("{}")
     other = root / f".{step_name(24)}.lease.json.notes"  # not a lease operation's: kept
     other.write_text("{}")
@@ -366,7 +354,7 @@ def test_the_roots_lease_debris_of_a_dead_job_is_collected_at_construction(tmp_p
     root: the next manager on that root removes a dead process's, never a live one's."""
     root = tmp_path / "run"
     root.mkdir()
-    dead = _dead_pid()
+    dead = dead_pid()
     stale = [f".run.lease.json.{dead}.tmp", f".run.lease.json.taken-{dead}-{'1' * 32}"]
     alive = [f".run.lease.json.taken-{os.getpid()}-{'2' * 32}", ".run.lease.json.notes"]
     for name in stale + alive:
