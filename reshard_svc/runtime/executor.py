@@ -384,6 +384,33 @@ class _Step:
                 _land(dest, p, self._typed(self.recv[off : off + p.nbytes], p))
                 off += aligned(p.nbytes)
 
+    def run(
+        self, dest: Destination, verify: bool, what: str, before: Callable[[], None]
+    ) -> list[Any]:
+        """The wave's agreements: read and pack (after ``before``), exchange (twice with
+        relays), land. Returns every rank's report (sent and landed CRCs, when verifying)."""
+
+        def read_and_pack() -> None:
+            before()
+            self.read_and_pack(dest, verify)
+
+        self.comm.run_everywhere(f"{what}: reading", read_and_pack)
+        self.exchange()
+        if self.w.relays:  # first round landed and the stripes to forward packed, everywhere
+            self.comm.run_everywhere(f"{what}: relaying", lambda: self.land(dest, verify))
+            self.exchange()  # the second round
+
+        def land() -> dict[str, Any]:
+            if self.w.relays:
+                self.land_relayed(dest)
+            else:
+                self.land(dest, verify)
+            self.finish(dest, verify)
+            return {"sent": self.sent, "got": self.got} if verify else {}
+
+        _, reports = self.comm.run_everywhere(f"{what}: landing", land)
+        return reports
+
     def finish(self, dest: Destination, verify: bool) -> None:
         self.recv = torch.empty(0, dtype=torch.uint8)
         if verify:
@@ -468,32 +495,7 @@ def execute(
         if codec is not None and w.relays:
             raise ValueError("a codec cannot run a plan that relays pieces")
         step = _Step(w, plan, source, comm, arena, codec)
-        what = f"{label}wave {i + 1}/{len(waves)}"
-
-        def read_and_pack(step: _Step = step) -> None:
-            raise_pending()
-            step.read_and_pack(dest, verify)
-
-        comm.run_everywhere(f"{what}: reading", read_and_pack)
-        step.exchange()
-
-        if w.relays:  # first round landed and the stripes to forward packed, everywhere
-
-            def relaying(step: _Step = step) -> None:
-                step.land(dest, verify)
-
-            comm.run_everywhere(f"{what}: relaying", relaying)
-            step.exchange()  # the second round
-
-        def land(step: _Step = step) -> dict[str, Any]:
-            if step.w.relays:
-                step.land_relayed(dest)
-            else:
-                step.land(dest, verify)
-            step.finish(dest, verify)
-            return {"sent": step.sent, "got": step.got} if verify else {}
-
-        _, reports = comm.run_everywhere(f"{what}: landing", land)
+        reports = step.run(dest, verify, f"{label}wave {i + 1}/{len(waves)}", raise_pending)
         if verify:
             _check_pieces(w, plan, reports)
         try:
