@@ -15,12 +15,14 @@ the server's state); anything else in the folder stays.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -92,33 +94,27 @@ def prepare(folder: Path) -> None:
     (folder / MARKER).write_text("made by `make demo` (python -m reshard_client.demo)\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reshard_client.demo", description=__doc__)
-    ap.add_argument("--dir", default="reshard-demo", help="the demo folder (kept afterwards)")
-    folder = Path(ap.parse_args(argv).dir).resolve()
-    prepare(folder)
-    py = sys.executable
-    token = secrets.token_hex(16)
-    port = free_port()
-    env = {
-        **os.environ,
-        "RESHARD_URL": f"http://127.0.0.1:{port}",
-        "RESHARD_TOKEN": token,
-        "RESHARD_ROOTS": str(folder),
-        "RESHARD_DB": f"{folder}/server/jobs.db",
-        "RESHARD_DATA_DIR": f"{folder}/server",
-        "RESHARD_POLL_INTERVAL_S": "0.1",
-        "OMP_NUM_THREADS": "1",
-    }
-    src, dst = f"{folder}/ckpt-tp8", f"{folder}/ckpt-tp2"
+def cli(*args: str) -> list[str]:
+    """A ``reshard`` command line, run with this interpreter."""
+    return [sys.executable, "-m", "reshard_client.cli", *args]
 
-    step("Building a small TP=8 checkpoint (fused QKV as strided shards)")
-    want = build_source(src)
-    run([py, "-m", "reshard_client.cli", "inspect", src], env)
 
+@contextlib.contextmanager
+def server_running(port: int, env: dict[str, str]) -> Iterator[None]:
+    """``reshard-server`` on 127.0.0.1:``port``, up (``/healthz`` answers) until the block
+    ends, then stopped."""
     step(f"Starting reshard-server on 127.0.0.1:{port}")
     server = subprocess.Popen(
-        [py, "-m", "reshard_server.main", "--port", str(port), "--log-level", "warning"], env=env
+        [
+            sys.executable,
+            "-m",
+            "reshard_server.main",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
     )
     try:
         deadline = time.monotonic() + 60
@@ -131,46 +127,59 @@ def main(argv: list[str] | None = None) -> int:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("reshard-server did not start")
             time.sleep(0.2)
-
-        step("Submitting TP=8 -> TP=2 on 2 gloo workers, following progress")
-        run(
-            [
-                py,
-                "-m",
-                "reshard_client.cli",
-                "submit",
-                src,
-                dst,
-                "--mesh",
-                "tp=2",
-                "--workers",
-                "2",
-                "--wait",
-            ],
-            env,
-        )
-        run([py, "-m", "reshard_client.cli", "jobs"], env)
-
-        step("Verifying the result (coverage, headers, block CRC32Cs) and comparing every tensor")
-        run([py, "-m", "reshard_client.cli", "verify", dst], env)
-        run([py, "-m", "reshard_client.cli", "inspect", dst], env)
-        import torch
-
-        import reshard_svc
-
-        out = {k: torch.zeros_like(v) for k, v in want.items()}
-        reshard_svc.load(out, dst, strict=False)
-        same = all(torch.equal(out[k], want[k]) for k in want)
-        console.print(
-            f"{len(want)} tensors bitwise equal to the originals: "
-            + ("[green]yes[/]" if same else "[red]NO[/]")
-        )
-        if not same:
-            return 1
+        yield
     finally:
         step("Stopping the server")
         server.terminate()
         server.wait(30)
+
+
+def bitwise_equal(want: dict, path: str) -> bool:
+    """Load ``path`` into tensors shaped like ``want`` and compare every one, bit for bit."""
+    import torch
+
+    import reshard_svc
+
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    reshard_svc.load(out, path, strict=False)
+    same = all(torch.equal(out[k], want[k]) for k in want)
+    console.print(
+        f"{len(want)} tensors bitwise equal to the originals: "
+        + ("[green]yes[/]" if same else "[red]NO[/]")
+    )
+    return same
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m reshard_client.demo", description=__doc__)
+    ap.add_argument("--dir", default="reshard-demo", help="the demo folder (kept afterwards)")
+    folder = Path(ap.parse_args(argv).dir).resolve()
+    prepare(folder)
+    port = free_port()
+    env = {
+        **os.environ,
+        "RESHARD_URL": f"http://127.0.0.1:{port}",
+        "RESHARD_TOKEN": secrets.token_hex(16),
+        "RESHARD_ROOTS": str(folder),
+        "RESHARD_DB": f"{folder}/server/jobs.db",
+        "RESHARD_DATA_DIR": f"{folder}/server",
+        "RESHARD_POLL_INTERVAL_S": "0.1",
+        "OMP_NUM_THREADS": "1",
+    }
+    src, dst = f"{folder}/ckpt-tp8", f"{folder}/ckpt-tp2"
+
+    step("Building a small TP=8 checkpoint (fused QKV as strided shards)")
+    want = build_source(src)
+    run(cli("inspect", src), env)
+    with server_running(port, env):
+        step("Submitting TP=8 -> TP=2 on 2 gloo workers, following progress")
+        run(cli("submit", src, dst, "--mesh", "tp=2", "--workers", "2", "--wait"), env)
+        run(cli("jobs"), env)
+        step("Verifying the result (coverage, headers, block CRC32Cs) and comparing every tensor")
+        run(cli("verify", dst), env)
+        run(cli("inspect", dst), env)
+        if not bitwise_equal(want, dst):
+            return 1
     console.print("[bold green]demo finished[/]")
     console.print(
         f"The checkpoints are kept in [bold]{folder}[/] (ckpt-tp8, ckpt-tp2): the README's CLI "
