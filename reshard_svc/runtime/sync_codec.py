@@ -1,0 +1,239 @@
+"""How a push's pieces travel, on this rank: the codec and the landing of a
+:class:`~reshard_svc.runtime.sync.WeightSync` push.
+
+The executor runs a push's plan with :class:`_Codec` (each piece a sender sends: a delta
+against what it last sent when the receiver holds that version, else the whole piece) and
+:class:`_Landing` as its destination (whole pieces staged, deltas decoded and kept; a wave
+written into the targets once every rank has it, or at commit when the session holds).
+Both change the session's records (the version each rank holds, what each sender last
+sent) only when a wave is written; a write that fails forgets that wave's records, so the
+next push sends it whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from reshard_svc.errors import DistributedError
+from reshard_svc.layout import Box
+from reshard_svc.plan.items import Piece, Read, Wave
+from reshard_svc.plan.transfer import TransferPlan
+from reshard_svc.runtime import delta
+from reshard_svc.runtime.buffers import Arena
+from reshard_svc.runtime.targets import Placed
+from reshard_svc.runtime.transfer import _Entry, _Staging
+
+if TYPE_CHECKING:
+    from reshard_svc.runtime.sync import WeightSync, _Push
+
+_Key = tuple[int, Box]  # a region a sender sends: (read id, box)
+
+
+@dataclass(kw_only=True)
+class _Geometry:
+    """What the session derives from a plan once: each target's and read's wave, and the
+    reads by id."""
+
+    plan_id: int
+    plan: TransferPlan
+    wave_of_target: dict[int, int]
+    wave_of_name: dict[str, int]
+    wave_index: dict[int, int]  # id(wave) -> index
+    reads: dict[int, Read]
+
+    @classmethod
+    def of(cls, entry: _Entry) -> _Geometry:
+        plan = entry.plan
+        of_target, of_name, index, reads = {}, {}, {}, {}
+        for wi, wave in enumerate(plan.waves):
+            index[id(wave)] = wi
+            for name in wave.tensors:
+                of_name[name] = wi
+            for r in wave.reads:
+                reads[r.id] = r
+            for p in wave.pieces:
+                of_target[p.target] = wi
+        return cls(
+            plan_id=entry.plan_id,
+            plan=plan,
+            wave_of_target=of_target,
+            wave_of_name=of_name,
+            wave_index=index,
+            reads=reads,
+        )
+
+
+# ---- the destination and the codec
+
+
+class _Parking:
+    """A wave is written once every rank has it, or, holding, parked until commit."""
+
+    hold: bool
+    parked: list[Wave]
+
+    def wave_done(self, wave: Wave) -> None:
+        if self.hold:
+            self.parked.append(wave)
+        else:
+            self._write(wave)
+
+    def write_parked(self) -> None:
+        for wave in self.parked:
+            self._write(wave)
+        self.parked.clear()
+
+    def _write(self, wave: Wave) -> None:
+        raise NotImplementedError
+
+
+class _Landing(_Parking, _Staging):
+    """A push's destination on this rank: whole pieces land in staging (the plan's arena),
+    deltas are decoded and kept; a wave is written into the targets once every rank has
+    it (or at commit, when it is held)."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        dst: Mapping[str, Placed],
+        arena: Arena,
+        hold: bool,
+        session: WeightSync,
+        version: int,
+    ) -> None:
+        super().__init__(plan, dst, arena)
+        self.hold, self.session, self.version = hold, session, version
+        self.whole: dict[int, dict[Piece, None]] = {}  # target -> pieces staged whole
+        self.patches: list[tuple[Piece, torch.Tensor | None, torch.Tensor]] = []
+        self.parked: list[Wave] = []
+
+    def region(self, piece: Piece) -> torch.Tensor:
+        """The piece's region of its target tensor."""
+        t = self.plan.targets[piece.target]
+        return self.dst[t.tensor].local[t.box][piece.box.slices_in(t.box)]
+
+    def view(self, piece: Piece) -> torch.Tensor:
+        self.whole.setdefault(piece.target, {})[piece] = None
+        return super().view(piece)
+
+    def keep_patch(self, piece: Piece, where: torch.Tensor | None, values: torch.Tensor) -> None:
+        self.patches.append((piece, where, values))
+
+    def _write(self, wave: Wave) -> None:
+        geometry = self.session._geometry
+        wi = geometry.wave_index[id(wave)] if geometry is not None else 0
+        self.session._held.pop(wi, None)  # until the wave is whole: a failure here forgets it
+        for ti, staged in self.staged.items():
+            t = self.plan.targets[ti]
+            into = self.dst[t.tensor].local[t.box]
+            pieces = self.whole[ti]
+            if sum(p.box.numel for p in pieces) == t.box.numel:
+                into.copy_(staged)
+            else:
+                for p in pieces:
+                    at = p.box.slices_in(t.box)
+                    into[at].copy_(staged[at])
+        for p, where, values in self.patches:
+            delta.patch(self.region(p), where, values)
+        self.staged.clear()
+        self.whole.clear()
+        self.patches.clear()
+        names = wave.tensors if hasattr(wave, "tensors") else ()
+        for name in names:
+            if name in self.dst:
+                self.dst[name].fill_padding()
+        self.session._wrote(wi, self.version)
+        self.updated.extend(names)
+
+
+@dataclass(kw_only=True)
+class _Codec(_Parking):
+    """Each piece a rank sends to another: a delta against what it last sent when the
+    receiver holds that version, else the whole piece; and, once the wave is written,
+    the sender's record brought up to date."""
+
+    session: WeightSync
+    push: _Push
+    geometry: _Geometry
+    landing: _Landing
+    hold: bool
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    deltas: int = 0
+    wholes: int = 0
+    #: wave -> {region: the delta sent, or the source view to copy at the write}
+    pending: dict[int, dict[_Key, delta.Delta | torch.Tensor]] = field(default_factory=dict)
+    encoded: dict[_Key, delta.Delta] = field(default_factory=dict)
+    parked: list[Wave] = field(default_factory=list)
+
+    def _eligible(self, p: Piece, wave: int) -> bool:
+        sender = self.geometry.reads[p.read].reader
+        base = self.push.sent[sender][wave]
+        return base is not None and self.push.held[p.dest][wave] == base
+
+    def encode(self, piece: Piece, data: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        wave = self.geometry.wave_of_target[piece.target]
+        key = (piece.read, piece.box)
+        mine = self.pending.setdefault(wave, {})
+        old = self.session._snapshots.get(key)
+        if old is None or not self._eligible(piece, wave):
+            mine.setdefault(key, data)
+            self.wholes += 1
+            self.bytes_sent += piece.nbytes
+            return 0, None
+        d = self.encoded.get(key)
+        if d is None:
+            d = self.encoded[key] = delta.encode(old, data, raw_payload=False)
+            mine[key] = d if d.encoding in (delta.Encoding.RUNS, delta.Encoding.GAPS) else data
+        self.deltas += 1
+        if d.encoding is delta.Encoding.RAW:
+            self.bytes_sent += piece.nbytes
+            return 0, None
+        self.bytes_sent += d.payload.numel()
+        return int(d.encoding), d.payload
+
+    def decode(self, piece: Piece, encoding: int, payload: torch.Tensor, dest: Any) -> None:
+        wave = self.geometry.wave_of_target[piece.target]
+        sender = self.geometry.reads[piece.read].reader
+        self.bytes_received += payload.numel()
+        if encoding and not self._eligible(piece, wave):
+            raise DistributedError(
+                f"rank {sender} sent a delta of {self.landing.plan.targets[piece.target].tensor!r}"
+                " to a rank that does not hold the version it is against"
+            )
+        dtype = self.push.entry.dtypes[self.geometry.reads[piece.read].tensor]
+        if encoding == delta.Encoding.RAW:
+            if payload.numel() != piece.nbytes:
+                raise DistributedError(
+                    f"rank {sender} sent {payload.numel()} bytes for a piece of {piece.nbytes}"
+                )
+            self.landing.view(piece).copy_(payload.view(dtype).view(piece.box.sizes))
+            return
+        where, values = delta.decode(encoding, payload, piece.box.numel, dtype)
+        if self.session._verify:  # patched in staging, so the CRC32C is checked before writing
+            staged = self.landing.view(piece)
+            staged.copy_(self.landing.region(piece))
+            delta.patch(staged, where, values)
+        else:
+            self.landing.keep_patch(piece, where, values)
+
+    def wave_done(self, wave: Wave) -> None:
+        self.encoded.clear()
+        super().wave_done(wave)
+
+    def _write(self, w: Wave) -> None:
+        wave = self.geometry.wave_index[id(w)]
+        snapshots = self.session._snapshots
+        self.session._sent.pop(wave, None)  # until every record of the wave is new
+        for key, what in self.pending.pop(wave, {}).items():
+            if isinstance(what, delta.Delta):
+                delta.patch(snapshots[key], what.where, what.values)
+            elif key in snapshots:
+                snapshots[key].copy_(what)
+            else:
+                snapshots[key] = what.contiguous().clone()
+        self.session._kept(wave, self.push.version)
