@@ -51,7 +51,7 @@ _LAZY = {
     "WriteItem": "reshard_svc.layout",
     "AsyncSaver": "reshard_svc.runtime.async_save",
     "async_save": "reshard_svc.runtime.async_save",
-    "CheckpointManager": "reshard_svc.runtime.manager",
+    "CheckpointManager": "reshard_svc.sessions.manager",
     "ConvertResult": "reshard_svc.runtime.convert",
     "convert": "reshard_svc.runtime.convert",
     "LoadStats": "reshard_svc.runtime.load",
@@ -61,8 +61,8 @@ _LAZY = {
     "PlanCache": "reshard_svc.plan.cache",
     "TransferResult": "reshard_svc.runtime.transfer",
     "transfer": "reshard_svc.runtime.transfer",
-    "SyncResult": "reshard_svc.runtime.sync",
-    "WeightSync": "reshard_svc.runtime.sync",
+    "SyncResult": "reshard_svc.sessions.sync",
+    "WeightSync": "reshard_svc.sessions.sync",
     "Cat": "reshard_svc.plan.transfer",
 }
 
@@ -91,11 +91,11 @@ if TYPE_CHECKING:
     from reshard_svc.runtime.async_save import AsyncSaver, async_save
     from reshard_svc.runtime.convert import ConvertResult, convert
     from reshard_svc.runtime.load import LoadStats, load
-    from reshard_svc.runtime.manager import CheckpointManager
     from reshard_svc.runtime.save import save
     from reshard_svc.runtime.state_dict import LocalShard
-    from reshard_svc.runtime.sync import SyncResult, WeightSync
     from reshard_svc.runtime.transfer import TransferResult, transfer
+    from reshard_svc.sessions.manager import CheckpointManager
+    from reshard_svc.sessions.sync import SyncResult, WeightSync
 
 __all__ = [
     "AsyncSaver",

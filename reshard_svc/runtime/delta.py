@@ -1,7 +1,7 @@
 """Element-wise deltas between two versions of a tensor piece, bitwise.
 
 The building block of a weight sync that sends only what changed
-(:class:`~reshard_svc.runtime.sync.WeightSync`): between two RL steps about 99 % of bf16
+(:class:`~reshard_svc.sessions.sync.WeightSync`): between two RL steps about 99 % of bf16
 weights are bit-identical, and a block checksum cannot find the 1 % (a 64 KiB block with
 1 % of its elements changed at random is almost never unchanged), so changes are found and
 encoded element by element.

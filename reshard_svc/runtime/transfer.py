@@ -28,7 +28,7 @@ changes nothing. ``verify=True`` also checks that every replica of a source agre
 every piece lands with the CRC32C it was sent with, before anything is swapped in.
 
 This is the one-shot form. An RL loop that pushes every step keeps a
-:class:`~reshard_svc.runtime.sync.WeightSync` instead: versioned pushes that send only the
+:class:`~reshard_svc.sessions.sync.WeightSync` instead: versioned pushes that send only the
 elements that changed.
 """
 
@@ -89,7 +89,7 @@ class TransferResult:
 
 
 @dataclass(kw_only=True)
-class _Entry:
+class TransferEntry:
     """A cached plan: its world-wide id, the plan, the source boxes that have replicas,
     and this rank's reusable exchange and staging memory."""
 
@@ -137,16 +137,16 @@ def transfer(
     # steps, and a collection over a torch process's heap costs about 0.1 s on one rank,
     # which every other rank then waits for at the next wave.
     with torch.no_grad(), collector_paused():
-        local = _Local.of(src, dst, names, max_memory, comm)
-        entry, cached = _plan(local, comm, names, max_memory, plan_cache)
+        local = LocalSides.of(src, dst, names, max_memory, comm)
+        entry, cached = agreed_plan(local, comm, names, max_memory, plan_cache)
         plan = entry.plan
         if verify:
-            _check_sources(entry, local, comm)
-        into = _Staging(plan, local.dst, entry.arena)
+            check_sources(entry, local, comm)
+        into = Staging(plan, local.dst, entry.arena)
         try:
             execute(
                 plan,
-                _HeldSource(local.src, entry.dtypes),
+                HeldSource(local.src, entry.dtypes),
                 comm,
                 into,
                 arena=entry.arena,
@@ -180,7 +180,7 @@ def transfer(
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Local:
+class LocalSides:
     """This rank's sources and targets, or the error describing them raised (reported to
     every rank at the plan's agreement), and the key of its description."""
 
@@ -197,7 +197,7 @@ class _Local:
         names: Mapping[str, str | Cat] | None,
         budget: int,
         comm: Comm,
-    ) -> _Local:
+    ) -> LocalSides:
         try:
             s, d = _placed(src, "src"), _placed(dst, "dst")
         except Exception as e:  # reported to every rank by the layout exchange
@@ -241,13 +241,13 @@ def _names_json(names: Mapping[str, str | Cat] | None) -> Any:
 # ---- plan
 
 
-def _plan(
-    local: _Local,
+def agreed_plan(
+    local: LocalSides,
     comm: Comm,
     names: Mapping[str, str | Cat] | None,
     budget: int,
     cache: PlanCache[Any] | None,
-) -> tuple[_Entry, bool]:
+) -> tuple[TransferEntry, bool]:
     hit = cache.get(local.key) if cache is not None and local.error is None else None
     high, neg_low = comm.all_reduce_max([hit.plan_id if hit else -1, -(hit.plan_id if hit else -1)])
     if hit is not None and high == -neg_low and high >= 0:
@@ -278,7 +278,7 @@ def _plan(
     )
     digest = hashlib.blake2b(everything.encode(), digest_size=8).digest()
     dtypes = {n: getattr(torch, h.dtype) for n, h in got.holdings["src"].items()}
-    entry = _Entry(
+    entry = TransferEntry(
         plan_id=int.from_bytes(digest, "big") >> 2,
         plan=plan,
         dtypes=dtypes,
@@ -290,7 +290,7 @@ def _plan(
     return entry, False
 
 
-def _check_sources(entry: _Entry, local: _Local, comm: Comm) -> None:
+def check_sources(entry: TransferEntry, local: LocalSides, comm: Comm) -> None:
     """Every replica of a source box holds the same bytes (``verify=True``)."""
     _, reports = comm.run_everywhere(
         "transfer: checking source replicas", lambda: replica_crcs(local.src, entry.replicated)
@@ -301,7 +301,7 @@ def _check_sources(entry: _Entry, local: _Local, comm: Comm) -> None:
 # ---- move and swap
 
 
-class _HeldSource:
+class HeldSource:
     """A transfer's source: the boxes each rank holds, read from memory."""
 
     bytes_read = 0
@@ -318,7 +318,7 @@ class _HeldSource:
         return [self.placed[r.tensor].local[r.origin or r.box] for r in reads], set()
 
 
-class _Staging:
+class Staging:
     """A transfer's destination: each wave lands in staging buffers (from the plan's
     arena) and is copied into the targets only once every rank has it whole."""
 

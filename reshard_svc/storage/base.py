@@ -70,6 +70,11 @@ class Storage(Protocol):
 
     def size(self, name: str) -> int: ...
 
+    def modified(self, name: str) -> float | None:
+        """When the file was last written (seconds since the epoch), or None when the
+        store does not say."""
+        ...
+
     def sizes(self) -> dict[str, int]:
         """File name -> size of every file in the folder (one listing)."""
         ...
@@ -128,6 +133,24 @@ class Committer(Protocol):
         ...
 
     def staging(self, token: str) -> Storage: ...
+
+    def make_folder(self) -> None:
+        """Create the folder (and its parents) where the store has folders; object stores
+        have none, so nothing happens there."""
+        ...
+
+    def remove_folder(self) -> None:
+        """Remove the folder if it is empty (a folder with any file in it stays); nothing
+        on object stores."""
+        ...
+
+    def beside(self) -> dict[str, set[str]]:
+        """Names of the folders in this one that runs left something beside, in the
+        backend's own naming, with what: ``run`` (staging data or a commit not finished:
+        :meth:`runs` of that folder has work) and ``lease`` (its lease, or what a lease
+        operation killed midway left). Empty where the backend keeps both inside the
+        folder (object stores)."""
+        ...
 
     def commit(self, staging: Storage, index_bytes: bytes, replaced: Collection[str] = ()) -> None:
         """Publish ``staging`` with its index; of the old checkpoint, only the files in

@@ -114,6 +114,12 @@ class FsspecStorage:
         with translate_errors("stat", self.path(name)):
             return int(self.fs.size(self.path(name)))
 
+    def modified(self, name: str) -> float | None:
+        try:
+            return float(self.fs.modified(self.path(name)).timestamp())
+        except Exception:  # a store that does not say
+            return None
+
     def listdir(self) -> list[str]:
         self._fresh()
         with translate_errors("list", self.root):
@@ -208,6 +214,16 @@ class FsspecStorage:
                 f"{self.uri} already holds a committed checkpoint; pass overwrite=True "
                 '(--overwrite, "overwrite": true) to replace it, or pick a new target'
             )
+
+    def make_folder(self) -> None:
+        """Object stores have no folders: a prefix exists once a file is under it."""
+
+    def remove_folder(self) -> None:
+        """Object stores have no folders to remove."""
+
+    def beside(self) -> dict[str, set[str]]:
+        """Staging data and leases live inside the target's prefix here: nothing beside."""
+        return {}
 
     def staging(self, token: str) -> FsspecStorage:
         # Same folder, same backend class: data files get a token suffix (see module doc).

@@ -48,6 +48,12 @@ _TOKEN = re.compile(r"[0-9a-f]{32}")
 #: a renewal's record (``<lease>.<pid>.tmp``), a lease renamed aside to be dropped or taken
 #: over (``<lease>.drop-<pid>-<uuid>``, ``<lease>.taken-<pid>-<token>``).
 _LEASE_DEBRIS = re.compile(r"\.(?:(\d+)\.tmp|(?:drop|taken)-(\d+)-[0-9A-Za-z_]+)")
+#: What a run leaves beside folder ``<name>``: its staging or replaced copy
+#: (:meth:`LocalStorage._sibling`), its lease, and that lease's debris.
+_BESIDE = re.compile(
+    r"\.(?P<name>.+)\.(?:(?P<run>(?:staging|old)-[0-9a-f]{32})"
+    r"|lease\.json(?P<debris>\.(?:(?P<tmp>\d+\.tmp)|(?:drop|taken)-\d+-[0-9A-Za-z_]+))?)"
+)
 
 
 def _alive(pid: int) -> bool:
@@ -253,6 +259,32 @@ class LocalStorage(FsspecStorage):
                 )
         elif os.path.exists(self.root):
             raise CheckpointError(f"{self.root} exists and is not a folder: pick another target")
+
+    def make_folder(self) -> None:
+        with translate_errors("create the folder", self.root):
+            os.makedirs(self.root, exist_ok=True)
+
+    def remove_folder(self) -> None:
+        try:
+            os.rmdir(self.root)
+        except OSError:
+            pass  # not empty (a foreign file stays), or already gone
+
+    def beside(self) -> dict[str, set[str]]:
+        """From one listing of this folder: ``run`` for a child with a staging or old
+        sibling (or a lease renewal's record: its commit may be half-done), ``lease`` for
+        one with a lease or lease debris beside it."""
+        out: dict[str, set[str]] = {}
+        for entry in self.listdir():
+            m = _BESIDE.fullmatch(entry)
+            if m is None:
+                continue
+            kinds = out.setdefault(m["name"], set())
+            if m["run"] or m["tmp"]:
+                kinds.add("run")
+            if not m["run"]:
+                kinds.add("lease")
+        return out
 
     def staging(self, token: str) -> LocalStorage:
         return LocalStorage(self._sibling("staging", token), sync_files=self.sync_files)

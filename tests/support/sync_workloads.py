@@ -113,7 +113,7 @@ def rl_loop() -> dict[str, Any]:
         UsageError,
         WeightSync,
     )
-    from reshard_svc.runtime import sync as runtime
+    from reshard_svc.sessions import sync_codec as runtime
 
     rank = dist.get_rank()
     trainer = tw._mesh([0, 1, 2, 3], (2, 2))
@@ -136,20 +136,20 @@ def rl_loop() -> dict[str, Any]:
             for shard in engine.values():
                 shard.data.zero_()
         if step == 12:  # rank 7 fails while landing: nobody moves from version 11
-            real = runtime._Codec.decode
+            real = runtime.Codec.decode
             if rank == 7:
 
                 def decode(self: Any, *a: Any) -> None:
                     raise RuntimeError("injected failure while landing")
 
-                runtime._Codec.decode = decode  # type: ignore[method-assign]
+                runtime.Codec.decode = decode  # type: ignore[method-assign]
             try:
                 sync.push(step)
                 out["aborted"] = None
             except TransferAbortedError as e:
                 out["aborted"] = {"message": str(e), "updated": list(e.updated)}
             finally:
-                runtime._Codec.decode = real  # type: ignore[method-assign]
+                runtime.Codec.decode = real  # type: ignore[method-assign]
             prev = Truth()
             for s in range(2, step):
                 prev.step(s, DENSITIES[(s - 1) % 4])
@@ -314,12 +314,12 @@ def dies_mid_push(rank: int, ports: tuple[int, int], results: Any) -> None:
         truth.step(3, 0.01)
         _refresh(src, truth, lambda n: ["S(0)"])
         if rank == 3:
-            from reshard_svc.runtime import sync as runtime
+            from reshard_svc.sessions import sync_codec as runtime
 
             def decode(self: Any, *a: Any) -> None:
                 os._exit(17)  # the engine process dies while landing
 
-            runtime._Codec.decode = decode  # type: ignore[method-assign]
+            runtime.Codec.decode = decode  # type: ignore[method-assign]
         try:
             sync.push(3)
             out["raised"] = None

@@ -235,7 +235,7 @@ def failure_mid_transfer(bad_rank: int, bad_bucket: int) -> dict[str, Any]:
     trainer, inference = _mesh([0, 1, 2, 3]), _mesh([4, 5, 6, 7])
     src = _sources(trainer, lambda n: ["S(0)"])
     dst = _targets(inference)
-    real_take, real_done = runtime._Staging.take, runtime._Staging.wave_done
+    real_take, real_done = runtime.Staging.take, runtime.Staging.wave_done
     if dist.get_rank() == bad_rank:
         waves = {"done": 0}
 
@@ -248,7 +248,7 @@ def failure_mid_transfer(bad_rank: int, bad_bucket: int) -> dict[str, Any]:
                 raise RuntimeError("injected failure while unpacking")
             return real_take(self, piece, data)
 
-        runtime._Staging.take, runtime._Staging.wave_done = take, wave_done  # type: ignore[method-assign]
+        runtime.Staging.take, runtime.Staging.wave_done = take, wave_done  # type: ignore[method-assign]
     try:
         transfer(src, dst, names=fused_names(), max_memory=2048, plan_cache=None)
     except TransferAbortedError as e:
@@ -264,7 +264,7 @@ def failure_mid_transfer(bad_rank: int, bad_bucket: int) -> dict[str, Any]:
             "sentinel_not_untouched": [n for n in untouched if dst is not None and n not in still],
         }
     finally:
-        runtime._Staging.take, runtime._Staging.wave_done = real_take, real_done  # type: ignore[method-assign]
+        runtime.Staging.take, runtime.Staging.wave_done = real_take, real_done  # type: ignore[method-assign]
     return {"raised": None}
 
 
@@ -440,7 +440,7 @@ def verify_catches(case: str) -> dict[str, Any]:
         if src is not None and rank == 3:
             src["model.norm.weight"].to_local()[0] += 1
     dst = _targets(_mesh([4, 5, 6, 7]))
-    real_take = runtime._Staging.take
+    real_take = runtime.Staging.take
     if case == "landing" and rank == 5:
 
         def take(self: Any, piece: Any, data: Any) -> bool:
@@ -449,14 +449,14 @@ def verify_catches(case: str) -> dict[str, Any]:
             view.view(-1)[0] += 1  # what arrives is not what was sent
             return True
 
-        runtime._Staging.take = take  # type: ignore[method-assign]
+        runtime.Staging.take = take  # type: ignore[method-assign]
     try:
         transfer(src, dst, names=fused_names(), verify=True, plan_cache=None)
         raised, message = None, ""
     except (TransferAbortedError, ReplicaMismatchError) as e:
         raised, message = type(e).__name__, str(e)
     finally:
-        runtime._Staging.take = real_take  # type: ignore[method-assign]
+        runtime.Staging.take = real_take  # type: ignore[method-assign]
     return {
         "raised": raised,
         "message": message,

@@ -2,7 +2,8 @@
 
 ``reshard_svc`` is layered bottom-up: the base modules (errors, version, the collector
 pause), then ``layout`` (pure geometry), ``storage`` (bytes at a URI), ``format`` (what the
-bytes mean), ``plan`` (pure plans), ``runtime`` (process groups, the executor) and ``jobs``
+bytes mean), ``plan`` (pure plans), ``runtime`` (process groups, the executor, the verbs), ``sessions``
+(long-lived objects over the verbs: the checkpoint manager, the sync session) and ``jobs``
 (the worker and its events). A module may import from its own layer and the ones below,
 never above. This walks every import statement of every module: the lazy ones inside
 functions and the ``TYPE_CHECKING`` ones included.
@@ -16,13 +17,13 @@ from pathlib import Path
 import reshard_svc
 
 ROOT = Path(reshard_svc.__file__).parent
-LAYERS = ["layout", "storage", "format", "plan", "runtime", "jobs"]
+LAYERS = ["layout", "storage", "format", "plan", "runtime", "sessions", "jobs"]
 BASE = {"errors", "_version", "_collector", "_process"}
 TOP = {"worker"}  # `python -m reshard_svc.worker`; the package's __init__ is top too
 
 
 def layer_of(module: str) -> int:
-    """0 for the base modules, 1..6 for the packages, 7 for the top (by dotted name)."""
+    """0 for the base modules, 1..7 for the packages, 8 for the top (by dotted name)."""
     parts = module.split(".")
     if parts[0] != "reshard_svc":
         raise ValueError(module)
@@ -273,3 +274,30 @@ def test_the_cli_commands_share_one_app_and_nothing_else():
     for m, ts in graph.items():
         if not of_cli(m):
             assert not {t for t in ts if of_cli(t) and t != "reshard_client.cli"}, m
+
+
+def test_the_sessions_use_no_private_name_of_another_module():
+    """``sessions/`` stands on the verbs' public doors: no ``_``-prefixed name imported
+    from, or read off, another module of ours (its own private names are its own)."""
+    wrong = []
+    for path in sorted((ROOT / "sessions").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        ours: set[str] = set()  # names bound to modules of ours
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reshard_svc"):
+                for a in node.names:
+                    if a.name.startswith("_"):
+                        wrong.append(f"{path.name}:{node.lineno} imports {a.name}")
+                    if _is_module(f"{node.module}.{a.name}"):
+                        ours.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                ours |= {a.asname or a.name for a in node.names if a.name.startswith("reshard_svc")}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ours
+                and node.attr.startswith("_")
+            ):
+                wrong.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
+    assert not wrong, "\n".join(wrong)

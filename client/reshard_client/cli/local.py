@@ -377,7 +377,7 @@ def steps(
     """List the step folders under ROOT: committed or partial, size, age, and what a
     retention policy (--keep-last, --keep-every) would keep. Changes nothing."""
     from reshard_svc.errors import ReshardError
-    from reshard_svc.runtime.manager import list_steps
+    from reshard_svc.sessions.manager import list_steps
 
     try:
         rows = list_steps(root, keep_last=keep_last, keep_every=keep_every)

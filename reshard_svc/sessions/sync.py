@@ -52,16 +52,16 @@ from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.transfer import Cat, TransferPlan
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.executor import execute
-from reshard_svc.runtime.sync_codec import _Codec, _Geometry, _Key, _Landing
 from reshard_svc.runtime.targets import Placed
 from reshard_svc.runtime.transfer import (
     DEFAULT_MAX_MEMORY,
-    _check_sources,
-    _Entry,
-    _HeldSource,
-    _Local,
-    _plan,
+    HeldSource,
+    LocalSides,
+    TransferEntry,
+    agreed_plan,
+    check_sources,
 )
+from reshard_svc.sessions.sync_codec import Codec, Geometry, Landing, Region
 
 __all__ = ["SyncResult", "WeightSync"]
 
@@ -86,19 +86,19 @@ class SyncResult:
 
 
 @dataclass(kw_only=True)
-class _Push:
+class Push:
     """One push in flight on this rank."""
 
     version: int
-    local: _Local
-    entry: _Entry
+    local: LocalSides
+    entry: TransferEntry
     cached: bool
     #: [rank][wave] -> the version that rank's targets hold / its record of what it sent
     held: list[list[int | None]]
     sent: list[list[int | None]]
     start: float
-    landing: _Landing | None = None
-    codec: _Codec | None = None
+    landing: Landing | None = None
+    codec: Codec | None = None
     moved: bool = False
 
 
@@ -131,13 +131,13 @@ class WeightSync:
         self._names, self._budget = names, max_memory
         self._delta, self._verify = bool(delta), bool(verify)
         self._cache: PlanCache[Any] = PlanCache(1)
-        self._geometry: _Geometry | None = None
+        self._geometry: Geometry | None = None
         self._held: dict[int, int | None] = {}  # wave -> version this rank's targets hold
         self._sent: dict[int, int | None] = {}  # wave -> version of this rank's snapshots
-        self._snapshots: dict[_Key, torch.Tensor] = {}
+        self._snapshots: dict[Region, torch.Tensor] = {}
         self._marks: dict[str, tuple[tuple[int, int], ...]] = {}  # target -> as we left it
         self._committed: int | None = None
-        self._push: _Push | None = None
+        self._push: Push | None = None
 
     # ---- what a caller can ask
 
@@ -210,8 +210,8 @@ class WeightSync:
         start = time.perf_counter()
         comm = self._comm
         with torch.no_grad(), collector_paused():
-            local = _Local.of(self._src, self._dst, self._names, self._budget, comm)
-            entry, cached = _plan(local, comm, self._names, self._budget, self._cache)
+            local = LocalSides.of(self._src, self._dst, self._names, self._budget, comm)
+            entry, cached = agreed_plan(local, comm, self._names, self._budget, self._cache)
             if self._geometry is None or self._geometry.plan is not entry.plan:
                 self._new_plan(entry)
             self._notice_foreign_writes(local)
@@ -230,8 +230,8 @@ class WeightSync:
             _, table = comm.run_everywhere("sync: agreeing on the version", agree)
             _check_versions(version, table)
             if self._verify:
-                _check_sources(entry, local, comm)
-        self._push = _Push(
+                check_sources(entry, local, comm)
+        self._push = Push(
             version=version,
             local=local,
             entry=entry,
@@ -251,9 +251,9 @@ class WeightSync:
         geometry = self._geometry
         if geometry is None:  # pragma: no cover (begin() set it)
             raise UsageError("update() before begin()")
-        landing = _Landing(plan, push.local.dst, push.entry.arena, hold, self, push.version)
+        landing = Landing(plan, push.local.dst, push.entry.arena, hold, self, push.version)
         codec = (
-            _Codec(session=self, push=push, geometry=geometry, landing=landing, hold=hold)
+            Codec(session=self, push=push, geometry=geometry, landing=landing, hold=hold)
             if self._delta
             else None
         )
@@ -263,7 +263,7 @@ class WeightSync:
             with torch.no_grad(), collector_paused():
                 execute(
                     plan,
-                    _HeldSource(push.local.src, push.entry.dtypes),
+                    HeldSource(push.local.src, push.entry.dtypes),
                     comm,
                     landing,
                     arena=push.entry.arena,
@@ -331,7 +331,7 @@ class WeightSync:
 
     # ---- bookkeeping
 
-    def _require(self, what: str, *, moved: bool) -> _Push:
+    def _require(self, what: str, *, moved: bool) -> Push:
         push = self._push
         if push is None:
             raise UsageError(f"{what}() with no push begun: call begin(version) first")
@@ -341,19 +341,19 @@ class WeightSync:
             )
         return push
 
-    def _new_plan(self, entry: _Entry) -> None:
+    def _new_plan(self, entry: TransferEntry) -> None:
         """A plan the session has not run. The same plan made again (every rank re-plans
         when one rank's session is new) keeps what the session recorded; any other plan
         starts from nothing."""
         same = self._geometry is not None and self._geometry.plan_id == entry.plan_id
-        self._geometry = _Geometry.of(entry)
+        self._geometry = Geometry.of(entry)
         if not same:
             self._held.clear()
             self._sent.clear()
             self._snapshots.clear()
             self._marks.clear()
 
-    def _notice_foreign_writes(self, local: _Local) -> None:
+    def _notice_foreign_writes(self, local: LocalSides) -> None:
         if self._geometry is None:
             return
         for name, placed in local.dst.items():
@@ -400,7 +400,7 @@ def _check_versions(version: int, table: list[Any]) -> None:
             )
 
 
-def _pieces_sent(plan: TransferPlan, rank: int, geometry: _Geometry | None) -> int:
+def _pieces_sent(plan: TransferPlan, rank: int, geometry: Geometry | None) -> int:
     if geometry is None:
         return 0
     return sum(

@@ -1,9 +1,9 @@
 """How a push's pieces travel, on this rank: the codec and the landing of a
-:class:`~reshard_svc.runtime.sync.WeightSync` push.
+:class:`~reshard_svc.sessions.sync.WeightSync` push.
 
-The executor runs a push's plan with :class:`_Codec` (each piece a sender sends: a delta
+The executor runs a push's plan with :class:`Codec` (each piece a sender sends: a delta
 against what it last sent when the receiver holds that version, else the whole piece) and
-:class:`_Landing` as its destination (whole pieces staged, deltas decoded and kept; a wave
+:class:`Landing` as its destination (whole pieces staged, deltas decoded and kept; a wave
 written into the targets once every rank has it, or at commit when the session holds).
 Both change the session's records (the version each rank holds, what each sender last
 sent) only when a wave is written; a write that fails forgets that wave's records, so the
@@ -25,16 +25,16 @@ from reshard_svc.plan.transfer import TransferPlan
 from reshard_svc.runtime import delta
 from reshard_svc.runtime.buffers import Arena
 from reshard_svc.runtime.targets import Placed
-from reshard_svc.runtime.transfer import _Entry, _Staging
+from reshard_svc.runtime.transfer import Staging, TransferEntry
 
 if TYPE_CHECKING:
-    from reshard_svc.runtime.sync import WeightSync, _Push
+    from reshard_svc.sessions.sync import Push, WeightSync
 
-_Key = tuple[int, Box]  # a region a sender sends: (read id, box)
+Region = tuple[int, Box]  # a region a sender sends: (read id, box)
 
 
 @dataclass(kw_only=True)
-class _Geometry:
+class Geometry:
     """What the session derives from a plan once: each target's and read's wave, and the
     reads by id."""
 
@@ -46,7 +46,7 @@ class _Geometry:
     reads: dict[int, Read]
 
     @classmethod
-    def of(cls, entry: _Entry) -> _Geometry:
+    def of(cls, entry: TransferEntry) -> Geometry:
         plan = entry.plan
         of_target, of_name, index, reads = {}, {}, {}, {}
         for wi, wave in enumerate(plan.waves):
@@ -91,7 +91,7 @@ class _Parking:
         raise NotImplementedError
 
 
-class _Landing(_Parking, _Staging):
+class Landing(_Parking, Staging):
     """A push's destination on this rank: whole pieces land in staging (the plan's arena),
     deltas are decoded and kept; a wave is written into the targets once every rank has
     it (or at commit, when it is held)."""
@@ -151,23 +151,23 @@ class _Landing(_Parking, _Staging):
 
 
 @dataclass(kw_only=True)
-class _Codec(_Parking):
+class Codec(_Parking):
     """Each piece a rank sends to another: a delta against what it last sent when the
     receiver holds that version, else the whole piece; and, once the wave is written,
     the sender's record brought up to date."""
 
     session: WeightSync
-    push: _Push
-    geometry: _Geometry
-    landing: _Landing
+    push: Push
+    geometry: Geometry
+    landing: Landing
     hold: bool
     bytes_sent: int = 0
     bytes_received: int = 0
     deltas: int = 0
     wholes: int = 0
     #: wave -> {region: the delta sent, or the source view to copy at the write}
-    pending: dict[int, dict[_Key, delta.Delta | torch.Tensor]] = field(default_factory=dict)
-    encoded: dict[_Key, delta.Delta] = field(default_factory=dict)
+    pending: dict[int, dict[Region, delta.Delta | torch.Tensor]] = field(default_factory=dict)
+    encoded: dict[Region, delta.Delta] = field(default_factory=dict)
     parked: list[Wave] = field(default_factory=list)
 
     def _eligible(self, p: Piece, wave: int) -> bool:
