@@ -10,15 +10,29 @@ object stores: 30 ms, 500 MB/s), each overridable from the environment.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from reshard_svc.errors import UsageError
+from reshard_svc.storage.base import Storage
 
-if TYPE_CHECKING:
-    from reshard_svc.plan.read import ReadPlan
+__all__ = ["PlanFigures", "StorageCost"]
 
-__all__ = ["StorageCost"]
+
+class PlanFigures(Protocol):
+    """What the cost model reads of a plan (:class:`~reshard_svc.plan.read.ReadPlan` has
+    it): its workers, its storage requests, the bytes each worker reads (over-reads
+    included) and the bytes moved between workers."""
+
+    @property
+    def world(self) -> int: ...
+
+    def reads_count(self) -> int: ...
+
+    def bytes_read(self) -> Sequence[int]: ...
+
+    def bytes_exchanged(self) -> int: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +51,7 @@ class StorageCost:
     local: bool = True
 
     @classmethod
-    def of(cls, storage: Any) -> StorageCost:
+    def of(cls, storage: Storage) -> StorageCost:
         def env(name: str, default: float) -> float:
             raw = os.environ.get(name)
             try:
@@ -55,7 +69,7 @@ class StorageCost:
             local=bool(storage.local_files),
         )
 
-    def seconds(self, plan: ReadPlan) -> float:
+    def seconds(self, plan: PlanFigures) -> float:
         """Estimated wall time of ``plan``: requests and bytes read (over-reads included),
         spread over the workers, plus the bytes moved between them.
 

@@ -61,7 +61,7 @@ from reshard_svc.runtime.transfer import (
     agreed_plan,
     check_sources,
 )
-from reshard_svc.sessions.sync_codec import Codec, Geometry, Landing, Region
+from reshard_svc.sessions.sync_codec import Agreed, Codec, Geometry, Landing, Records
 
 __all__ = ["SyncResult", "WeightSync"]
 
@@ -93,9 +93,7 @@ class Push:
     local: LocalSides
     entry: TransferEntry
     cached: bool
-    #: [rank][wave] -> the version that rank's targets hold / its record of what it sent
-    held: list[list[int | None]]
-    sent: list[list[int | None]]
+    agreed: Agreed
     start: float
     landing: Landing | None = None
     codec: Codec | None = None
@@ -132,9 +130,7 @@ class WeightSync:
         self._delta, self._verify = bool(delta), bool(verify)
         self._cache: PlanCache[Any] = PlanCache(1)
         self._geometry: Geometry | None = None
-        self._held: dict[int, int | None] = {}  # wave -> version this rank's targets hold
-        self._sent: dict[int, int | None] = {}  # wave -> version of this rank's snapshots
-        self._snapshots: dict[Region, torch.Tensor] = {}
+        self._records = Records()
         self._marks: dict[str, tuple[tuple[int, int], ...]] = {}  # target -> as we left it
         self._committed: int | None = None
         self._push: Push | None = None
@@ -145,8 +141,9 @@ class WeightSync:
     def version(self) -> int | None:
         """The version this rank's targets hold (None before the first commit, after
         :meth:`invalidate`, or when its waves hold different versions)."""
-        seen = set(self._held.values())
-        if not self._held or len(seen) != 1:
+        held = self._records.held
+        seen = set(held.values())
+        if not held or len(seen) != 1:
             return None
         return next(iter(seen))
 
@@ -158,7 +155,7 @@ class WeightSync:
     @property
     def snapshot_bytes(self) -> int:
         """Bytes this rank keeps of what it last sent (the cost of delta mode)."""
-        return sum(t.numel() * t.element_size() for t in self._snapshots.values())
+        return sum(t.numel() * t.element_size() for t in self._records.snapshots.values())
 
     @property
     def holds_until_commit(self) -> bool | None:
@@ -174,7 +171,7 @@ class WeightSync:
         """This rank's targets no longer hold what the session last wrote (an engine
         reloaded its weights): its next push receives whole pieces. Local, not collective.
         A target written in place by anyone else is noticed without this."""
-        self._held.clear()
+        self._records.held.clear()
         self._marks.clear()
 
     # ---- the phases
@@ -223,8 +220,10 @@ class WeightSync:
                 return {
                     "version": version,
                     "committed": self._committed,
-                    "held": [self._held.get(w) for w in range(waves)],
-                    "sent": [self._sent.get(w) if self._delta else None for w in range(waves)],
+                    "held": [self._records.held.get(w) for w in range(waves)],
+                    "sent": [
+                        self._records.sent.get(w) if self._delta else None for w in range(waves)
+                    ],
                 }
 
             _, table = comm.run_everywhere("sync: agreeing on the version", agree)
@@ -236,8 +235,11 @@ class WeightSync:
             local=local,
             entry=entry,
             cached=cached,
-            held=[t["held"] for t in table],
-            sent=[t["sent"] for t in table],
+            agreed=Agreed(
+                version=version,
+                held=[t["held"] for t in table],
+                sent=[t["sent"] for t in table],
+            ),
             start=start,
         )
 
@@ -251,9 +253,26 @@ class WeightSync:
         geometry = self._geometry
         if geometry is None:  # pragma: no cover (begin() set it)
             raise UsageError("update() before begin()")
-        landing = Landing(plan, push.local.dst, push.entry.arena, hold, self, push.version)
+        records = self._records
+        landing = Landing(
+            plan,
+            push.local.dst,
+            push.entry.arena,
+            hold=hold,
+            records=records,
+            geometry=geometry,
+            version=push.version,
+        )
         codec = (
-            Codec(session=self, push=push, geometry=geometry, landing=landing, hold=hold)
+            Codec(
+                records=records,
+                agreed=push.agreed,
+                geometry=geometry,
+                landing=landing,
+                dtypes=push.entry.dtypes,
+                hold=hold,
+                verify=self._verify,
+            )
             if self._delta
             else None
         )
@@ -348,9 +367,7 @@ class WeightSync:
         same = self._geometry is not None and self._geometry.plan_id == entry.plan_id
         self._geometry = Geometry.of(entry)
         if not same:
-            self._held.clear()
-            self._sent.clear()
-            self._snapshots.clear()
+            self._records.clear()
             self._marks.clear()
 
     def _notice_foreign_writes(self, local: LocalSides) -> None:
@@ -360,10 +377,7 @@ class WeightSync:
             if self._marks.get(name) != _mark(placed):
                 wave = self._geometry.wave_of_name.get(name)
                 if wave is not None:
-                    self._held.pop(wave, None)
-
-    def _wrote(self, wave: int, version: int) -> None:
-        self._held[wave] = version
+                    self._records.held.pop(wave, None)
 
     def _remember(self, names: list[str], dst: Mapping[str, Placed]) -> None:
         """How the targets written by a push are left, once the push wrote all it will
@@ -372,9 +386,6 @@ class WeightSync:
         for name in names:
             if name in dst:
                 self._marks[name] = _mark(dst[name])
-
-    def _kept(self, wave: int, version: int) -> None:
-        self._sent[wave] = version
 
 
 def _mark(placed: Placed) -> tuple[tuple[int, int], ...]:

@@ -5,16 +5,17 @@ The executor runs a push's plan with :class:`Codec` (each piece a sender sends: 
 against what it last sent when the receiver holds that version, else the whole piece) and
 :class:`Landing` as its destination (whole pieces staged, deltas decoded and kept; a wave
 written into the targets once every rank has it, or at commit when the session holds).
-Both change the session's records (the version each rank holds, what each sender last
-sent) only when a wave is written; a write that fails forgets that wave's records, so the
-next push sends it whole.
+Both are handed the session's :class:`Records` (the version each wave of this rank's
+targets holds, what this rank last sent) and the :class:`Agreed` table of the push, never
+the session itself; they change the records only when a wave is written, and a write that
+fails forgets that wave's records, so the next push sends it whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,10 +28,36 @@ from reshard_svc.runtime.buffers import Arena
 from reshard_svc.runtime.targets import Placed
 from reshard_svc.runtime.transfer import Staging, TransferEntry
 
-if TYPE_CHECKING:
-    from reshard_svc.sessions.sync import Push, WeightSync
-
 Region = tuple[int, Box]  # a region a sender sends: (read id, box)
+
+
+@dataclass(kw_only=True)
+class Records:
+    """What one rank's session knows across pushes; the session owns it and hands it to
+    each push's landing and codec.
+
+    ``held``: wave -> the version this rank's targets hold (a wave being written is absent
+    until it is whole). ``sent``: wave -> the version of this rank's snapshots, and
+    ``snapshots``: region -> a copy of what this rank last sent another rank."""
+
+    held: dict[int, int | None] = field(default_factory=dict)
+    sent: dict[int, int | None] = field(default_factory=dict)
+    snapshots: dict[Region, torch.Tensor] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.sent.clear()
+        self.snapshots.clear()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Agreed:
+    """What every rank said at ``begin()``: the version pushed and, per rank and wave, the
+    version its targets hold (``held``) and its record of what it sent is of (``sent``)."""
+
+    version: int
+    held: list[list[int | None]]
+    sent: list[list[int | None]]
 
 
 @dataclass(kw_only=True)
@@ -101,12 +128,14 @@ class Landing(_Parking, Staging):
         plan: TransferPlan,
         dst: Mapping[str, Placed],
         arena: Arena,
+        *,
         hold: bool,
-        session: WeightSync,
+        records: Records,
+        geometry: Geometry,
         version: int,
     ) -> None:
         super().__init__(plan, dst, arena)
-        self.hold, self.session, self.version = hold, session, version
+        self.hold, self.records, self.geometry, self.version = hold, records, geometry, version
         self.whole: dict[int, dict[Piece, None]] = {}  # target -> pieces staged whole
         self.patches: list[tuple[Piece, torch.Tensor | None, torch.Tensor]] = []
         self.parked: list[Wave] = []
@@ -124,9 +153,8 @@ class Landing(_Parking, Staging):
         self.patches.append((piece, where, values))
 
     def _write(self, wave: Wave) -> None:
-        geometry = self.session._geometry
-        wi = geometry.wave_index[id(wave)] if geometry is not None else 0
-        self.session._held.pop(wi, None)  # until the wave is whole: a failure here forgets it
+        wi = self.geometry.wave_index[id(wave)]
+        self.records.held.pop(wi, None)  # until the wave is whole: a failure here forgets it
         for ti, staged in self.staged.items():
             t = self.plan.targets[ti]
             into = self.dst[t.tensor].local[t.box]
@@ -146,7 +174,7 @@ class Landing(_Parking, Staging):
         for name in names:
             if name in self.dst:
                 self.dst[name].fill_padding()
-        self.session._wrote(wi, self.version)
+        self.records.held[wi] = self.version
         self.updated.extend(names)
 
 
@@ -156,11 +184,14 @@ class Codec(_Parking):
     receiver holds that version, else the whole piece; and, once the wave is written,
     the sender's record brought up to date."""
 
-    session: WeightSync
-    push: Push
+    records: Records
+    agreed: Agreed
     geometry: Geometry
     landing: Landing
+    #: every source tensor's dtype, as its holders pass it
+    dtypes: Mapping[str, torch.dtype]
     hold: bool
+    verify: bool
     bytes_sent: int = 0
     bytes_received: int = 0
     deltas: int = 0
@@ -172,14 +203,14 @@ class Codec(_Parking):
 
     def _eligible(self, p: Piece, wave: int) -> bool:
         sender = self.geometry.reads[p.read].reader
-        base = self.push.sent[sender][wave]
-        return base is not None and self.push.held[p.dest][wave] == base
+        base = self.agreed.sent[sender][wave]
+        return base is not None and self.agreed.held[p.dest][wave] == base
 
     def encode(self, piece: Piece, data: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         wave = self.geometry.wave_of_target[piece.target]
         key = (piece.read, piece.box)
         mine = self.pending.setdefault(wave, {})
-        old = self.session._snapshots.get(key)
+        old = self.records.snapshots.get(key)
         if old is None or not self._eligible(piece, wave):
             mine.setdefault(key, data)
             self.wholes += 1
@@ -205,7 +236,7 @@ class Codec(_Parking):
                 f"rank {sender} sent a delta of {self.landing.plan.targets[piece.target].tensor!r}"
                 " to a rank that does not hold the version it is against"
             )
-        dtype = self.push.entry.dtypes[self.geometry.reads[piece.read].tensor]
+        dtype = self.dtypes[self.geometry.reads[piece.read].tensor]
         if encoding == delta.Encoding.RAW:
             if payload.numel() != piece.nbytes:
                 raise DistributedError(
@@ -214,7 +245,7 @@ class Codec(_Parking):
             self.landing.view(piece).copy_(payload.view(dtype).view(piece.box.sizes))
             return
         where, values = delta.decode(encoding, payload, piece.box.numel, dtype)
-        if self.session._verify:  # patched in staging, so the CRC32C is checked before writing
+        if self.verify:  # patched in staging, so the CRC32C is checked before writing
             staged = self.landing.view(piece)
             staged.copy_(self.landing.region(piece))
             delta.patch(staged, where, values)
@@ -227,8 +258,8 @@ class Codec(_Parking):
 
     def _write(self, w: Wave) -> None:
         wave = self.geometry.wave_index[id(w)]
-        snapshots = self.session._snapshots
-        self.session._sent.pop(wave, None)  # until every record of the wave is new
+        snapshots = self.records.snapshots
+        self.records.sent.pop(wave, None)  # until every record of the wave is new
         for key, what in self.pending.pop(wave, {}).items():
             if isinstance(what, delta.Delta):
                 delta.patch(snapshots[key], what.where, what.values)
@@ -236,4 +267,4 @@ class Codec(_Parking):
                 snapshots[key].copy_(what)
             else:
                 snapshots[key] = what.contiguous().clone()
-        self.session._kept(wave, self.push.version)
+        self.records.sent[wave] = self.agreed.version
