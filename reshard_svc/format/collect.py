@@ -23,29 +23,23 @@ are not part of a checkpoint are never deleted.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from reshard_svc.errors import CheckpointError
 from reshard_svc.format.hf import HF_INDEX, model_weights
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.format.target import check_target
 from reshard_svc.storage import open_storage
-from reshard_svc.storage.base import CollectReport, Committer, LeaseState, LeaseStore, Storage
+from reshard_svc.storage.base import CollectReport, LeaseState, LeaseStore, Storage, Target
 from reshard_svc.storage.leases import Lease, LeaseRecord, parse
 
 __all__ = ["GcReport", "TargetRun", "collect", "collect_lease_debris", "replaced_files"]
 
 logger = logging.getLogger(__name__)
-
-
-class Target(Storage, Committer, LeaseStore, Protocol):
-    """A backend seen whole: bytes, commits and its lease (every backend is all three)."""
 
 
 def replaced_files(storage: Storage, model_folder: bool = False) -> set[str]:
@@ -100,18 +94,14 @@ def _collect_orphans(target: Target, keep: set[str], report: CollectReport, dry_
 
 
 def collect_lease_debris(
-    target: Any, report: CollectReport | None = None, dry_run: bool = False
+    target: LeaseStore, report: CollectReport | None = None, dry_run: bool = False
 ) -> None:
     """Remove what lease operations of dead processes left beside ``target``'s lease (on
     local folders: a renewal's record not yet renamed, a lease renamed aside by a release
     or takeover and not yet removed). A live process's are never touched."""
-    debris = getattr(target, "lease_debris", None)
-    for path in debris() if debris is not None else ():
-        if report is not None:
-            report.removed.append(path)
-        if not dry_run:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+    removed = target.remove_lease_debris(dry_run)
+    if report is not None:
+        report.removed += removed
 
 
 class TargetRun:
@@ -125,24 +115,23 @@ class TargetRun:
     """
 
     def __init__(
-        self, storage: Storage, kind: str, overwrite: bool = False, model_folder: bool = False
+        self, storage: Target, kind: str, overwrite: bool = False, model_folder: bool = False
     ) -> None:
-        target: Any = storage
-        self.storage: Target = target
+        self.storage = storage
         self.token = uuid.uuid4().hex
 
         def on_stale(holder: LeaseRecord | None, state: LeaseState) -> None:
             _collect_holder(self.storage, holder, CollectReport(), dry_run=False)
 
-        self.lease = Lease.acquire(target, storage.uri, self.token, kind, on_stale)
+        self.lease = Lease.acquire(storage, storage.uri, self.token, kind, on_stale)
         try:
             # under the lease: nobody commits meanwhile
-            check_target(target, overwrite, model_folder)
+            check_target(storage, overwrite, model_folder)
             try:
-                _collect_orphans(target, {self.token}, CollectReport(), dry_run=False)
+                _collect_orphans(storage, {self.token}, CollectReport(), dry_run=False)
             except Exception:  # housekeeping never fails the run itself
                 logger.warning("could not collect leftovers at %s", storage.uri, exc_info=True)
-            self.replaced = replaced_files(target, model_folder)
+            self.replaced = replaced_files(storage, model_folder)
         except BaseException:
             self.lease.release()
             raise
@@ -167,7 +156,7 @@ class TargetRun:
 
 
 def collect(
-    target: str | Storage,
+    target: str | Target,
     *,
     owner: str | None = None,
     dry_run: bool = False,
@@ -179,7 +168,9 @@ def collect(
     of record; other runs' leftovers are removed and never rolled forward; a live lease's
     run is left alone. ``dry_run`` reports what would be done and changes nothing.
     """
-    storage: Any = target if not isinstance(target, str) else open_storage(target, storage_options)
+    storage: Target = (
+        target if not isinstance(target, str) else open_storage(target, storage_options)
+    )
     report = GcReport(uri=storage.uri)
     state = storage.read_lease()
     holder = parse(state)

@@ -15,6 +15,7 @@ from typing import Any
 from reshard_svc.errors import UsageError
 from reshard_svc.format.hf import check_model_folder
 from reshard_svc.storage import open_storage
+from reshard_svc.storage.base import Target
 
 __all__ = ["check_distinct", "check_target", "preflight"]
 
@@ -31,7 +32,7 @@ def check_distinct(
         )
 
 
-def check_target(target: Any, overwrite: bool, model_folder: bool) -> None:
+def check_target(target: Target, overwrite: bool, model_folder: bool) -> None:
     """The target may be written: empty, or a checkpoint with ``overwrite``, or (an HF
     export, ``model_folder``) a model folder whose weights go only with ``overwrite``."""
     target.check_target(overwrite, foreign_ok=model_folder)

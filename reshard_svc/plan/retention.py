@@ -4,31 +4,17 @@
 divisible by M (milestones, as Orbax's ``keep_period``); ``None`` for both keeps all. The
 newest committed step is always kept: it is the resume point. Only the committed steps
 passed in are ever named for deletion, so a step being written (not yet committed) or a
-folder the manager did not name is never touched.
+folder the manager did not name is never touched. What a step folder is on storage is
+:mod:`reshard_svc.format.steps`'s.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from reshard_svc.errors import UsageError
 
-__all__ = ["STEP_PATTERN", "check_policy", "parse_step", "retained", "step_name"]
-
-#: Step folders are ``step-<digits>``: ours are zero-padded to 10 digits (they sort as
-#: text); torchtitan's and DCP users' ``step-N`` parse too.
-STEP_PATTERN = re.compile(r"step-(\d{1,18})")
-_WIDTH = 10
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:0{_WIDTH}d}"
-
-
-def parse_step(name: str) -> int | None:
-    m = STEP_PATTERN.fullmatch(name)
-    return int(m.group(1)) if m else None
+__all__ = ["check_policy", "retained"]
 
 
 def check_policy(keep_last: int | None, keep_every: int | None) -> None:

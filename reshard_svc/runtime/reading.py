@@ -77,7 +77,7 @@ class CheckedReader:
     block is checked once per execution, however many reads share it.
     """
 
-    def __init__(self, storage: Any, tables: Mapping[str, BlockTable], mapped: bool) -> None:
+    def __init__(self, storage: Storage, tables: Mapping[str, BlockTable], mapped: bool) -> None:
         self.storage = storage
         self.tables = tables
         #: ``read_view`` maps the page cache, so the bytes read are exactly the blocks
@@ -159,7 +159,7 @@ class StorageSource:
 
     def __init__(
         self,
-        storage: Any,
+        storage: Storage,
         dtypes: Mapping[str, torch.dtype],
         rank: int,
         tables: Mapping[str, BlockTable],

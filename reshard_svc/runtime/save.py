@@ -45,6 +45,7 @@ from reshard_svc.runtime.targets import (
     replicated,
 )
 from reshard_svc.storage import Storage, open_storage
+from reshard_svc.storage.base import Target
 
 __all__ = [
     "PreparedSave",
@@ -181,7 +182,7 @@ def prepare_save(
     state_dict: Mapping[str, Any],
     uri: str,
     comm: Comm,
-    storage: Any,
+    storage: Target,
     checksum: str = "crc32c",
     overwrite: bool = False,
     check_replicas: bool = True,

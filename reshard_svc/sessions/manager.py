@@ -19,7 +19,9 @@ Layout on storage: ``ROOT/step-0000000100/`` (our format, committed when its
 manager's lifetime, so a second job aimed at the same root fails at construction naming
 the holder. Retention deletes only committed step folders of its own naming that the
 policy drops (their index first, then the files the index lists; foreign files stay), and
-collects what dead saves left (stale leases only); a failure to delete is a warning.
+collects what dead saves left (stale leases only); a failure to delete is a warning. What a
+step folder is on storage (its name, committed or not, retiring it, its leftovers) is
+:class:`~reshard_svc.format.steps.StepFolders`'s; the manager decides when.
 
 Per-rank state (RNG, a data loader's position) is saved under per-rank keys: name its
 top-level keys in ``rank_local`` and each rank's value is stored as ``rank_local.<rank>.<key>``;
@@ -30,8 +32,6 @@ with one warning, while every other key still loads strictly.
 from __future__ import annotations
 
 import logging
-import os
-import re
 import signal
 import threading
 import time
@@ -49,14 +49,14 @@ from reshard_svc.errors import (
     StorageError,
     UsageError,
 )
-from reshard_svc.format.collect import collect, collect_lease_debris
+from reshard_svc.format.collect import collect_lease_debris
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
-from reshard_svc.plan.retention import check_policy, parse_step, retained, step_name
+from reshard_svc.format.steps import StepFolders
+from reshard_svc.plan.retention import check_policy, retained
 from reshard_svc.runtime.async_save import AsyncSaver
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.load import load as load_checkpoint
 from reshard_svc.runtime.save import save as save_checkpoint
-from reshard_svc.storage import open_storage
 from reshard_svc.storage.leases import Lease
 
 __all__ = ["CheckpointManager", "StepInfo", "list_steps"]
@@ -66,15 +66,6 @@ logger = logging.getLogger(__name__)
 #: The extras key each step's index records its step under.
 STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
-#: A step being retired: a copy of its index, written before the index is removed, so
-#: that a retirement killed midway is finished by the next (and only its files go).
-RETIRING = ".reshard.retiring.json"
-#: a step's lease, and what a lease operation killed midway leaves beside it
-_LEASE = re.compile(
-    r"\.(step-\d+)\.lease\.json(?:\.(?:\d+\.tmp|(?:drop|taken)-\d+-[0-9A-Za-z_]+))?"
-)
-#: what a local save interrupted by a dead job leaves beside a step folder
-_LEFTOVER = re.compile(r"\.step-(\d+)\.(?:(?:staging|old)-[0-9a-f]{32}|lease\.json\.\d+\.tmp)")
 
 
 class CheckpointManager:
@@ -115,6 +106,7 @@ class CheckpointManager:
             raise UsageError(f"interval must be a positive integer, got {interval!r}")
         check_policy(keep_last, keep_every)
         self.root = root.rstrip("/")
+        self.folders = StepFolders(self.root, storage_options)
         self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
         self.rank_local = tuple(rank_local)
         self.process_group = process_group
@@ -148,9 +140,7 @@ class CheckpointManager:
     def _take_root(self) -> None:
         if self.comm.rank != 0:
             return
-        storage = open_storage(self.root, self.storage_options)
-        if storage.local_files:
-            os.makedirs(storage.root, exist_ok=True)  # the lease sits beside it
+        storage = self.folders.prepare()
         token = uuid.uuid4().hex
         self._lease = Lease.acquire(
             storage,
@@ -163,26 +153,9 @@ class CheckpointManager:
             collect_lease_debris(storage)
         except OSError as e:
             logger.warning("could not collect the lease debris beside %s: %s", self.root, e)
-        self._finish_interrupted(storage)
-
-    def _finish_interrupted(self, storage: Any) -> None:
-        """Before anyone asks for the latest step: a dead job's commit that was decided (its
-        index written) but not yet moved into place is finished, so the step it saved is
-        the one a resume loads (and a later save of that step number never meets it)."""
-        steps = set()
-        for name in storage.listdir():
-            m = _LEFTOVER.fullmatch(name)
-            if m is not None:
-                steps.add(int(m.group(1)))
-        for step in sorted(steps):
-            target = open_storage(self._step_uri(step), self.storage_options)
-            try:
-                report = collect(target)
-            except Exception as e:  # reported, never raised: the step stays uncommitted
-                logger.warning("could not collect the leftovers of %s: %s", target.uri, e)
-                continue
-            if report.rolled_forward:
-                logger.warning("finished the interrupted commit of step %d (%s)", step, target.uri)
+        # before anyone asks for the latest step: a dead job's decided commit is finished,
+        # so the step it saved is the one a resume loads
+        self.folders.finish_interrupted()
 
     def _install(self, sig: int) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -196,16 +169,11 @@ class CheckpointManager:
     # ---- what is on storage
 
     def _step_uri(self, step: int) -> str:
-        return f"{self.root}/{step_name(step)}"
-
-    def _step_folders(self) -> dict[int, str]:
-        return _step_folders(self.root, self.storage_options)
+        return self.folders.uri(step)
 
     def steps(self) -> list[int]:
         """Committed steps (their index exists), oldest first."""
-        return [
-            s.step for s in list_steps(self.root, self.storage_options, sizes=False) if s.committed
-        ]
+        return self.folders.committed()
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -325,45 +293,10 @@ class CheckpointManager:
                 if holds is not None:
                     keep |= set(holds())  # still being read (an export job)
                 for step in sorted(set(committed) - keep):
-                    self._retire(step)
-                self._collect_leftovers(set(committed) & keep)
+                    self.folders.retire(step)  # only what its index lists goes
+                self.folders.collect(set(committed) & keep)  # what dead saves left
             except Exception:  # housekeeping never fails training
                 logger.warning("retention under %s failed", self.root, exc_info=True)
-
-    def _retire(self, step: int) -> None:
-        """Delete one committed step folder of ours. The index is first copied to a
-        retirement record (:data:`RETIRING`) and then removed (the step is no longer
-        committed), then the files it lists go, then the record, then the folder if it is
-        empty. A retirement killed midway is finished by the next one
-        (:meth:`_collect_leftovers` reads the record); nothing else is ever deleted."""
-        uri = self._step_uri(step)
-        storage = open_storage(uri, self.storage_options)
-        try:
-            raw = storage.read(INDEX_NAME)
-            CheckpointIndex.loads(raw, f"{uri}/{INDEX_NAME}")
-            storage.write(RETIRING, raw)
-            storage.remove(INDEX_NAME)
-            _finish_retirement(storage)
-            logger.info("retention: removed step %d (%s)", step, uri)
-        except (CheckpointError, StorageError, OSError) as e:
-            logger.warning("retention: could not remove step %d at %s: %s", step, uri, e)
-
-    def _collect_leftovers(self, committed: set[int]) -> None:
-        """What dead saves left: in step folders that never committed (stale leases only),
-        the lease of a save killed before it made its folder (the lease comes first), and
-        the stale lease of a save killed after its commit, before it released the lease."""
-        for step, (name, leased) in _step_entries(self.root, self.storage_options).items():
-            if step in committed and not leased:
-                continue
-            storage = open_storage(f"{self.root}/{name}", self.storage_options)
-            try:
-                collect(storage)
-                if storage.exists(RETIRING) and not storage.exists(INDEX_NAME):
-                    _finish_retirement(storage)  # a retirement killed midway
-                    logger.info("retention: finished removing step %d (%s)", step, name)
-                _remove_if_empty(storage)
-            except Exception as e:  # reported, never raised
-                logger.warning("could not collect the leftovers of %s: %s", storage.uri, e)
 
     # ---- loading
 
@@ -419,10 +352,12 @@ class CheckpointManager:
         def find() -> Any:
             if self.comm.rank != 0:
                 return None
-            candidates = [step] if step is not None else sorted(self._step_folders(), reverse=True)
+            candidates = (
+                [step] if step is not None else sorted(self.folders.folders(), reverse=True)
+            )
             skipped = []
             for s in candidates:
-                storage = open_storage(self._step_uri(s), self.storage_options)
+                storage = self.folders.storage(s)
                 try:
                     raw = storage.read(INDEX_NAME)
                     CheckpointIndex.loads(raw, f"{storage.uri}/{INDEX_NAME}").check()
@@ -446,7 +381,7 @@ class CheckpointManager:
         chosen = found[0]
         if chosen is None:
             return None, None
-        storage = open_storage(self._step_uri(chosen), self.storage_options)
+        storage = self.folders.storage(chosen)
         return chosen, CheckpointIndex.loads(storage.read(INDEX_NAME))
 
     # ---- lifetime
@@ -487,52 +422,6 @@ class CheckpointManager:
             raise UsageError("this CheckpointManager is closed")
 
 
-def _finish_retirement(storage: Any) -> None:
-    """Remove the files a retirement record lists, then the record."""
-    raw = storage.read(RETIRING)
-    index = CheckpointIndex.loads(raw, f"{storage.uri}/{RETIRING}")
-    for name in index.files:
-        storage.remove(name)  # a file already gone is no error
-    storage.remove(RETIRING)
-    _remove_if_empty(storage)
-
-
-def _remove_if_empty(storage: Any) -> None:
-    """A local step folder left empty goes too (object stores have no folders)."""
-    if storage.local_files:
-        try:
-            os.rmdir(storage.root)
-        except OSError:
-            pass  # not empty (a foreign file stays), or already gone
-
-
-def _step_folders(root: str, storage_options: Mapping[str, Any] | None) -> dict[int, str]:
-    """Step folders under ``root`` by step."""
-    out: dict[int, str] = {}
-    for name in open_storage(root, storage_options).listdir():
-        step = parse_step(name)
-        if step is not None:
-            out.setdefault(step, name)
-    return out
-
-
-def _step_entries(
-    root: str, storage_options: Mapping[str, Any] | None
-) -> dict[int, tuple[str, bool]]:
-    """Every step with anything under ``root``: its folder name, and whether a lease (or
-    what a killed lease operation left: ``.step-N.lease.json.drop-<pid>-<uuid>``...) sits
-    beside it. Includes the steps that have only such a lease and no folder."""
-    out: dict[int, tuple[str, bool]] = {}
-    for name in open_storage(root, storage_options).listdir():
-        m = _LEASE.fullmatch(name)
-        folder = m.group(1) if m else name
-        step = parse_step(folder)
-        if step is not None:
-            leased = m is not None or out.get(step, ("", False))[1]
-            out[step] = (folder, leased)
-    return out
-
-
 @dataclass(frozen=True, kw_only=True)
 class StepInfo:
     """One step folder under a root: committed (its index exists) or partial."""
@@ -569,31 +458,20 @@ def list_steps(
     """Every step folder under ``root``, oldest first, and what a retention policy of
     ``keep_last`` / ``keep_every`` would keep (read-only: nothing is deleted)."""
     check_policy(keep_last, keep_every)
-    folders = _step_folders(root, storage_options)
-    rows = []
-    now = time.time()
-    for step, name in sorted(folders.items()):
-        storage = open_storage(f"{root.rstrip('/')}/{name}", storage_options)
-        files = storage.sizes() if sizes else {}
-        committed = INDEX_NAME in files if sizes else storage.exists(INDEX_NAME)
-        age = None
-        if sizes and files:
-            newest = INDEX_NAME if committed else max(files, key=lambda f: files[f])
-            try:
-                age = max(0.0, now - storage.fs.modified(storage.path(newest)).timestamp())
-            except Exception:  # a store that does not say
-                age = None
-        retiring = RETIRING in files if sizes else storage.exists(RETIRING)
-        rows.append((step, name, committed, sum(files.values()), age, retiring))
-    keep = retained([r[0] for r in rows if r[2]], keep_last, keep_every)
+    rows = StepFolders(root, storage_options).listing(sizes=sizes)
+    keep = retained([r.step for r in rows if r.committed], keep_last, keep_every)
     return [
         StepInfo(
-            step=s,
-            name=n,
-            committed=c,
-            bytes=b,
-            age_s=a,
-            policy=("keep" if s in keep else "delete") if c else ("delete" if r else None),
+            step=r.step,
+            name=r.name,
+            committed=r.committed,
+            bytes=r.bytes,
+            age_s=r.age_s,
+            policy=(
+                ("keep" if r.step in keep else "delete")
+                if r.committed
+                else ("delete" if r.retiring else None)
+            ),
         )
-        for s, n, c, b, a, r in rows
+        for r in rows
     ]

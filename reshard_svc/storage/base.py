@@ -41,6 +41,7 @@ __all__ = [
     "LeaseState",
     "LeaseStore",
     "Storage",
+    "Target",
 ]
 
 #: The file whose presence commits a checkpoint folder (written last; the format layer
@@ -237,3 +238,15 @@ class LeaseStore(Protocol):
     def drop_lease(self, version: str) -> None:
         """Remove the lease if it is still ``version`` (never another run's)."""
         ...
+
+    def remove_lease_debris(self, dry_run: bool = False) -> list[str]:
+        """Remove what lease operations of dead processes left beside the lease (a
+        renewal's record not yet renamed, a lease renamed aside by a release or takeover
+        and not yet removed; never a live process's); returns the paths (``dry_run``: that
+        would go)."""
+        ...
+
+
+@runtime_checkable
+class Target(Storage, Committer, LeaseStore, Protocol):
+    """A backend seen whole: bytes, commits and its lease (every backend is all three)."""

@@ -470,6 +470,14 @@ class LocalStorage(FsspecStorage):
                 out.append(os.path.join(parent, name))
         return out
 
+    def remove_lease_debris(self, dry_run: bool = False) -> list[str]:
+        found = self.lease_debris()
+        if not dry_run:
+            for path in found:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        return found
+
     def renew_lease(self, version: str, record: bytes) -> str:
         path = self.lease_path()
         with translate_errors("renew the lease", path):

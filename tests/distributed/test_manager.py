@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from reshard_svc.plan.retention import retained, step_name
+from reshard_svc.format.steps import step_name
+from reshard_svc.plan.retention import retained
 from tests.support import manager_jobs as jobs
 from tests.support.harness import run
 

@@ -197,7 +197,7 @@ def test_scancel_signal_term_ends_in_a_final_checkpoint_and_exit_0(slurm, tmp_pa
     import sys
     from pathlib import Path
 
-    from reshard_svc.plan.retention import step_name
+    from reshard_svc.format.steps import step_name
     from tests.support.harness import free_port
 
     repo = str(Path(__file__).resolve().parents[2])

@@ -307,3 +307,47 @@ def test_the_sessions_use_no_private_name_of_another_module():
             ):
                 wrong.append(f"{path.name}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_sessions_reach_storage_only_through_its_protocols():
+    """No ``os`` or ``shutil`` call and no fsspec filesystem (``.fs``) in ``sessions/``:
+    step folders are :mod:`reshard_svc.format.steps`'s, bytes the storage protocols'."""
+    wrong = []
+    for path in sorted((ROOT / "sessions").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if {"os", "shutil"} & {n.split(".")[0] for n in names}:
+                    wrong.append(f"{path.name}:{node.lineno} imports os/shutil")
+            if isinstance(node, ast.Attribute) and node.attr == "fs":
+                wrong.append(f"{path.name}:{node.lineno} reads .fs")
+    assert not wrong, "\n".join(wrong)
+
+
+def _code_strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module, docstrings left out."""
+    docs = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            docs.add(id(body[0].value))
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    ]
+
+
+def test_backend_file_names_are_spelled_in_storage_only():
+    """What a backend names beside or inside a target (staging, replaced copies, leases
+    and their debris) is written in ``storage/`` only; everyone else asks the backend."""
+    names = ("staging-", "old-", "lease.json", r"lease\.json", "drop-", "taken-")
+    wrong = []
+    for top, root in PACKAGES.items():
+        for path in sorted(root.rglob("*.py")):
+            if top == "reshard_svc" and path.is_relative_to(ROOT / "storage"):
+                continue
+            for node in _code_strings(ast.parse(path.read_text())):
+                if any(n in node.value for n in names):
+                    wrong.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.value!r}")
+    assert not wrong, "\n".join(wrong)

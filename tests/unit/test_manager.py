@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import reshard_svc
 from reshard_svc import CheckpointManager, SaveFailedError, TargetBusyError
-from reshard_svc.plan.retention import retained, step_name
+from reshard_svc.format.steps import step_name
+from reshard_svc.plan.retention import retained
 from tests.support.processes import dead_pid
 
 
