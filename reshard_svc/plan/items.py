@@ -25,7 +25,7 @@ from typing import Protocol
 
 from reshard_svc.layout import Box
 
-__all__ = ["Held", "Holdings", "Piece", "Plan", "Read", "Target", "Wave"]
+__all__ = ["Held", "Holdings", "Piece", "Plan", "Read", "Target", "Wave", "WaveBase"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,7 +112,11 @@ class Piece:
 class Wave(Protocol):
     """One exchange: every rank reads its reads, sends its pieces, lands what it gets.
     Pieces are ordered by (reader, dest, read, box), the order of the send and receive
-    buffers on every rank."""
+    buffers on every rank.
+
+    Everything the executor reads of a wave is here. :class:`WaveBase` derives the last
+    five from ``reads`` and ``pieces``; a plan that knows them cheaper (a read plan's
+    templates) says so itself."""
 
     @property
     def reads(self) -> Sequence[Read]: ...
@@ -124,6 +128,56 @@ class Wave(Protocol):
     def tensors_done(self) -> int:
         """Tensors whose last piece is in this wave (for progress)."""
         ...
+
+    @property
+    def tensors(self) -> Sequence[str]:
+        """The target tensors this wave completes (a destination fills their padding)."""
+        ...
+
+    @property
+    def crosses(self) -> bool:
+        """Whether any piece goes from one rank to another (every rank then exchanges)."""
+        ...
+
+    @property
+    def relays(self) -> bool:
+        """Whether any piece is forwarded by a via (every rank then takes a second round)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every rank's pieces (for progress)."""
+        ...
+
+    def pieces_for(self, rank: int) -> Sequence[Piece]:
+        """The pieces ``rank`` sends or receives, in the wave's order (a plan may hold one
+        piece for every holder of a box: each rank expands only its own)."""
+        ...
+
+
+class WaveBase:
+    """:class:`Wave`'s derived members computed from ``reads`` and ``pieces``."""
+
+    reads: Sequence[Read]
+    pieces: Sequence[Piece]
+
+    @property
+    def crosses(self) -> bool:
+        readers = {r.id: r.reader for r in self.reads}
+        return any(readers[p.read] != p.dest for p in self.pieces)
+
+    @property
+    def relays(self) -> bool:
+        readers = {r.id: r.reader for r in self.reads}
+        return any(p.sender(readers[p.read]) != readers[p.read] for p in self.pieces)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    def pieces_for(self, rank: int) -> list[Piece]:
+        readers = {r.id: r.reader for r in self.reads}
+        return [p for p in self.pieces if rank in (p.dest, p.sender(readers[p.read]))]
 
 
 class Plan(Protocol):

@@ -150,6 +150,11 @@ class BandWave:
         return False
 
     @property
+    def tensors(self) -> tuple[str, ...]:
+        """Tensors whose last row band is in this wave."""
+        return tuple(i.tensor for i, b in self.items if b == len(i.template.bands) - 1)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the wave delivers, over every rank (each holder's copy counted)."""
         total = 0

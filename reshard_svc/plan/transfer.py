@@ -32,7 +32,7 @@ import numpy as np
 from reshard_svc.errors import InconsistentIndexError, TransferError
 from reshard_svc.layout import Box, check_tiling, overlaps
 from reshard_svc.layout.balance import least_loaded
-from reshard_svc.plan.items import Held, Holdings, Piece, Read, Target
+from reshard_svc.plan.items import Held, Holdings, Piece, Read, Target, WaveBase
 from reshard_svc.plan.packing import pack
 
 __all__ = ["Cat", "Holdings", "TransferPlan", "TransferWave", "plan_transfer"]
@@ -55,7 +55,7 @@ class Cat:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TransferWave:
+class TransferWave(WaveBase):
     """Whole target tensors, moved, checked and swapped in together."""
 
     reads: tuple[Read, ...]

@@ -145,14 +145,8 @@ class _MyWave:
         reads = wave.reads  # built once per wave
         readers = {r.id: r for r in reads}
         # only this rank's pieces: a plan may hold one piece for every holder of a box
-        mine_of = getattr(wave, "pieces_for", None)
-        if mine_of is not None:
-            pieces = mine_of(me)
-            exchanges = bool(wave.crosses)  # type: ignore[attr-defined]
-        else:
-            every = wave.pieces
-            exchanges = any(readers[p.read].reader != p.dest for p in every)
-            pieces = [p for p in every if me in (p.dest, p.sender(readers[p.read].reader))]
+        pieces = wave.pieces_for(me)
+        exchanges = wave.crosses
         pieces_of: dict[int, list[Piece]] = {}
         crossing, relayed = [], []
         for p in pieces:
@@ -165,7 +159,7 @@ class _MyWave:
                 crossing.append(p)
         # segments go in (sender, dest) order; the plan's order is (reader, dest, ...)
         relayed.sort(key=lambda p: (p.via, p.dest))
-        relays = bool(getattr(wave, "relays", False))
+        relays = wave.relays
         mine = [r for r in reads if r.reader == me]
         return cls(
             pieces=pieces,
@@ -504,8 +498,7 @@ def execute(
                 codec.wave_done(wave)
         except Exception as e:  # surfaced on every rank at the next agreement
             pending.append(e)
-        nbytes = getattr(wave, "nbytes", None)  # every rank's pieces, not only this one's
-        done += nbytes if nbytes is not None else sum(p.nbytes for p in wave.pieces)
+        done += wave.nbytes  # every rank's pieces, not only this one's
         tensors_done += wave.tensors_done
         if progress is not None:
             progress(

@@ -54,7 +54,7 @@ from reshard_svc.errors import (
 from reshard_svc.layout import Box
 from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.items import Piece, Read, Wave
-from reshard_svc.plan.transfer import Cat, TransferPlan, TransferWave, plan_transfer
+from reshard_svc.plan.transfer import Cat, TransferPlan, plan_transfer
 from reshard_svc.runtime.buffers import Arena
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.executor import Destination, execute
@@ -343,7 +343,7 @@ class Staging:
             t = self.plan.targets[ti]
             self.dst[t.tensor].local[t.box].copy_(staged)
         self.staged.clear()  # views of the arena go before the next wave reuses it
-        names = wave.tensors if isinstance(wave, TransferWave) else ()
+        names = wave.tensors
         for name in names:
             if name in self.dst:
                 self.dst[name].fill_padding()

@@ -170,7 +170,7 @@ class Landing(_Parking, Staging):
         self.staged.clear()
         self.whole.clear()
         self.patches.clear()
-        names = wave.tensors if hasattr(wave, "tensors") else ()
+        names = wave.tensors
         for name in names:
             if name in self.dst:
                 self.dst[name].fill_padding()

@@ -87,3 +87,47 @@ def test_fmt_skip_does_not_come_back():
         if "fmt: skip" in line or "fmt: off" in line
     ]
     assert len(lines) <= FMT_SKIP_CEILING, "let ruff format these: " + ", ".join(lines)
+
+
+# ---- plans declare what the executor reads
+
+
+def test_every_wave_has_every_member_the_protocol_declares():
+    """The executor reads a wave only through :class:`~reshard_svc.plan.items.Wave`; each
+    kind of wave has all of it (a dataclass field or an attribute of its class)."""
+    from reshard_svc.plan.items import Wave
+    from reshard_svc.plan.read import BandWave
+    from reshard_svc.plan.transfer import TransferWave
+
+    declared = {n for n in vars(Wave) if not n.startswith("_")}
+    assert {"reads", "pieces", "tensors", "crosses", "relays", "nbytes", "pieces_for"} <= declared
+    for kind in (BandWave, TransferWave):
+        has = {f.name for f in dataclasses.fields(kind)} | set(dir(kind))
+        assert declared <= has, f"{kind.__name__} lacks {sorted(declared - has)}"
+
+
+def test_the_executor_never_probes_a_plan():
+    """No ``getattr``/``hasattr`` and no ``isinstance`` downcast of a wave or plan where
+    plans are run: what they have is on their protocol."""
+    import ast
+
+    wrong = []
+    for rel in (
+        "runtime/executor.py",
+        "runtime/transfer.py",
+        "runtime/load.py",
+        "runtime/convert.py",
+        "sessions/sync_codec.py",
+        "sessions/sync.py",
+    ):
+        path = REPO / "reshard_svc" / rel
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "isinstance")
+                and node.args
+                and any(w in ast.unparse(node.args[0]) for w in ("wave", "plan"))
+            ):
+                wrong.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)
