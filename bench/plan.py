@@ -33,11 +33,12 @@ import torch
 
 from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Layout
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.items import Held
 from reshard_svc.plan.read import PLANS, StorageCost, choose_plan
 
 LAYERS, H, F, V, KV = 126, 16384, 53248, 128256, 1024
-BUDGET = 512 * 1024 * 1024  # load's default max_memory
+BUDGET = Budget.of(None, "load")  # load's default max_memory
 LOCAL = StorageCost(latency_s=5e-5, bandwidth=3e9, local=True)
 
 

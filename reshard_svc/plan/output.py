@@ -13,8 +13,9 @@ import torch
 from reshard_svc.format.index import CheckpointIndex, Chunk
 from reshard_svc.format.safetensors import dtype_name, encode_header, itemsize
 from reshard_svc.layout import Box, Layout
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.items import Held, Holdings
-from reshard_svc.plan.read import band_limit, row_step, split_rows
+from reshard_svc.plan.read import row_step, split_rows
 from reshard_svc.plan.save import FileSpec, plan_save
 
 __all__ = [
@@ -145,7 +146,7 @@ def plan_hf(
 
 
 def target_bands(
-    out: OutputPlan, index: CheckpointIndex, budget: int
+    out: OutputPlan, index: CheckpointIndex, budget: Budget
 ) -> tuple[dict[str, list[Held]], dict[tuple[str, Box], tuple[str, int]]]:
     """Target boxes cut on the read plan's row grid, each with its writer, and where each
     band lands: (file, byte offset)."""
@@ -154,7 +155,7 @@ def target_bands(
     where: dict[tuple[str, Box], tuple[str, int]] = {}
     for name, chunks in out.chunks.items():
         meta = index.tensors[name]
-        step = row_step(meta.shape, meta.itemsize, band_limit(budget))
+        step = row_step(meta.shape, meta.itemsize, budget.band)
         osz = itemsize(out.dtypes[name])
         bands: list[Held] = []
         for c in chunks:

@@ -43,6 +43,7 @@ import numpy as np
 from reshard_svc.errors import UsageError
 from reshard_svc.format.index import CheckpointIndex, Chunk
 from reshard_svc.layout import Box
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.cost import StorageCost
 from reshard_svc.plan.items import Held, Piece, Read, Target
@@ -50,7 +51,6 @@ from reshard_svc.plan.packing import pack
 from reshard_svc.plan.template import (
     EVERY_HOLDER,
     Template,
-    band_limit,
     build_template,
     row_step,
     split_rows,
@@ -61,7 +61,6 @@ __all__ = [
     "BandWave",
     "ReadPlan",
     "StorageCost",
-    "band_limit",
     "choose_plan",
     "warn_if_over_budget",
     "plan_reads",
@@ -310,10 +309,8 @@ class ReadPlan:
         return sum(i.template.moved for i in self.instances)
 
 
-def warn_if_over_budget(index: CheckpointIndex, names: Iterable[str], budget: int) -> None:
+def warn_if_over_budget(index: CheckpointIndex, names: Iterable[str], budget: Budget) -> None:
     """Say (once per call) when one row of a tensor alone exceeds the budget's band."""
-    if budget < 1:
-        return  # plan_reads refuses it
     widest = max(
         (
             (math.prod(index.tensors[n].shape[1:]) * index.tensors[n].itemsize, n)
@@ -322,11 +319,11 @@ def warn_if_over_budget(index: CheckpointIndex, names: Iterable[str], budget: in
         ),
         default=(0, ""),
     )
-    if widest[0] > band_limit(budget):
+    if widest[0] > budget.band:
         logger.warning(
             "a memory budget of %d B cannot be met: one row of %r is %d B and a wave moves "
             "at least one row; waves will exceed it (give at least %d B)",
-            budget,
+            budget.total,
             widest[1],
             widest[0],
             4 * widest[0],
@@ -337,14 +334,14 @@ def plan_reads(
     index: CheckpointIndex,
     wanted: Mapping[str, Sequence[Held]],
     world: int,
-    budget: int,
+    budget: Budget,
     *,
     strategy: str = "exchange",
 ) -> ReadPlan:
     """Plan reading ``wanted`` (tensor -> its distinct target boxes and their holders).
 
     Target boxes stay whole; ``convert`` passes boxes already cut with :func:`split_rows`
-    on the same grid (:func:`row_step` of ``budget // 4``) so each is written when its
+    on the same grid (:func:`row_step` of ``budget.band``) so each is written when its
     wave ends. Tensors with the same shape, stored chunks and targets share one
     :class:`~reshard_svc.plan.template.Template`, planned once; a plan for the same
     inputs is served from a small cache.
@@ -358,7 +355,7 @@ def choose_plan(
     index: CheckpointIndex,
     wanted: Mapping[str, Sequence[Held]],
     world: int,
-    budget: int,
+    budget: Budget,
     strategy: str,
     cost: StorageCost | None,
 ) -> ReadPlan:
@@ -369,8 +366,6 @@ def choose_plan(
     (checkpoint chunks, target boxes and holders, world, budget, strategy, cost) are
     answered from a cache of the last few plans.
     """
-    if budget < 1:
-        raise UsageError(f"memory budget must be positive, got {budget} bytes")
     if strategy not in ("auto", "exchange", "direct"):
         raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
     with _no_gc():
@@ -396,7 +391,7 @@ def _choose(
     index: CheckpointIndex,
     sigs: tuple[Any, ...],
     world: int,
-    budget: int,
+    budget: Budget,
     strategy: str,
     cost: StorageCost | None,
 ) -> ReadPlan:
@@ -450,10 +445,10 @@ def _plan(
     sigs: tuple[Any, ...],
     tids: list[int],
     world: int,
-    budget: int,
+    budget: Budget,
     strategy: str,
 ) -> ReadPlan:
-    limit = band_limit(budget)
+    limit = budget.band
     seen: dict[int, int] = {}
     templates: dict[int, dict[int, Template]] = {}
     instances: list[_Instance] = []
@@ -522,12 +517,12 @@ def _template(tkey: Any, limit: int, world: int, strategy: str, variant: int = 0
     )
 
 
-def _waves(instances: Sequence[_Instance], world: int, budget: int) -> tuple[BandWave, ...]:
+def _waves(instances: Sequence[_Instance], world: int, budget: Budget) -> tuple[BandWave, ...]:
     """Whole row bands, in order, packed into waves under the per-rank byte budget."""
     items = [(inst, b) for inst in instances for b in range(len(inst.template.bands))]
     last = [b == len(inst.template.bands) - 1 for inst, b in items]
     costs = (inst.template.bands[b].use for inst, b in items)
     return tuple(
         BandWave(tuple(items[start:end]), sum(last[start:end]))
-        for start, end in pack(costs, world, budget)
+        for start, end in pack(costs, world, budget.total)
     )

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from reshard_svc.errors import UsageError
 from reshard_svc.layout.mesh import MAX_MESH_SIZE
+from reshard_svc.plan.budget import Budget, Verb, parse_size
 
 __all__ = [
     "CHECKSUMS",
@@ -78,48 +79,6 @@ DTYPES = {
 }
 MAX_WORKERS = 1 << 16
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]\+?(\d+))?\s*([A-Za-z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": 1024**2,
-    "mib": 1024**2,
-    "gi": 1024**3,
-    "gib": 1024**3,
-    "ti": 1024**4,
-    "tib": 1024**4,
-}
-
-
-def parse_size(text: str | int | None, what: str = "size") -> int | None:
-    """``1GiB``, ``1Gi`` (Kubernetes), ``512MB``, ``1e9`` or an int -> a positive byte count."""
-    if text is None:
-        return None
-    if isinstance(text, bool):
-        raise UsageError(f"{what} {text!r} must be a byte count or a size like 1GiB")
-    if isinstance(text, int):
-        if text <= 0:
-            raise UsageError(f"{what} {text} must be positive")
-        return text
-    m = _SIZE.match(str(text))
-    if not m or m.group(3).lower() not in _UNITS:
-        raise UsageError(
-            f"{what} {text!r} is not a size: use a positive number and a unit, e.g. 512MiB or 1GiB"
-        )
-    value = float(m.group(1)) * 10 ** int(m.group(2) or 0) * _UNITS[m.group(3).lower()]
-    if not math.isfinite(value) or value < 1:
-        raise UsageError(f"{what} {text!r} must be at least one byte")
-    return int(value)
 
 
 def parse_mesh(mesh: str | Mapping[str, int] | None) -> dict[str, int] | None:
@@ -409,11 +368,16 @@ class ConvertSpec:
     def workers(self) -> int:
         return self.nodes * self.workers_per_node
 
+    def budget(self, verb: Verb = "convert") -> Budget:
+        """``max_memory`` as a :class:`~reshard_svc.plan.budget.Budget` (``verb``'s default
+        when unset): the one place it is parsed."""
+        return Budget.of(self.max_memory, verb)
+
     # ---- validation: the one place values are parsed
 
     def checked(self) -> ConvertSpec:
         """A normalised copy, or :class:`UsageError` naming the field to fix."""
-        parse_size(self.max_memory, "max_memory")
+        self.budget()
         parse_size(self.max_shard_size, "max_shard_size")
         nodes = check_count("nodes", self.nodes, 4096)
         per_node = check_count("workers_per_node", self.workers_per_node, 4096)

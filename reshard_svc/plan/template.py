@@ -41,7 +41,6 @@ __all__ = [
     "ChunkRead",
     "TBand",
     "Template",
-    "band_limit",
     "build_template",
     "row_step",
     "split_rows",
@@ -50,11 +49,6 @@ __all__ = [
 
 #: a template piece's ``dest`` when every holder of its target receives it
 EVERY_HOLDER = -1
-
-
-def band_limit(budget: int) -> int:
-    """Bytes of one global row band for a per-rank budget (read + send + recv + target)."""
-    return max(1, budget // 4)
 
 
 def row_step(shape: Sequence[int], itemsize: int, limit: int) -> int:

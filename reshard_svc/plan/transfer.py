@@ -32,6 +32,7 @@ import numpy as np
 from reshard_svc.errors import InconsistentIndexError, TransferError
 from reshard_svc.layout import Box, check_tiling, overlaps
 from reshard_svc.layout.balance import least_loaded
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.items import Held, Holdings, Piece, Read, Target, WaveBase
 from reshard_svc.plan.packing import pack
 
@@ -96,7 +97,7 @@ def plan_transfer(
     dst: Mapping[str, Holdings],
     names: Mapping[str, str | Cat] | None,
     world: int,
-    budget: int,
+    budget: Budget,
 ) -> TransferPlan:
     """The transfer plan for targets ``dst`` from sources ``src`` (see the module doc).
 
@@ -109,10 +110,10 @@ def plan_transfer(
     per_tensor = [_tensor(name, dst[name], sources[name], src, load, world) for name in sorted(dst)]
     for t in per_tensor:
         worst = int(np.argmax(t.cost))
-        if t.cost[worst] > budget:
+        if t.cost[worst] > budget.total:
             raise TransferError(
                 f"target {t.name!r} alone needs {int(t.cost[worst])} bytes of buffers on rank "
-                f"{worst} (send, receive and staging), more than max_memory={budget}: raise "
+                f"{worst} (send, receive and staging), more than max_memory={budget.total}: raise "
                 "max_memory"
             )
     return _assemble(per_tensor, world, budget)
@@ -273,13 +274,13 @@ def _tensor(
 # ---- waves
 
 
-def _assemble(per_tensor: list[_Tensor], world: int, budget: int) -> TransferPlan:
+def _assemble(per_tensor: list[_Tensor], world: int, budget: Budget) -> TransferPlan:
     """Whole tensors packed into waves; read and target ids made plan-wide (0..n-1)."""
     sent, received, copied, peak = (np.zeros(world, dtype=np.int64) for _ in range(4))
     targets: list[Target] = []
     waves: list[TransferWave] = []
     total = n_reads = 0
-    for start, end in pack((t.cost for t in per_tensor), world, budget):
+    for start, end in pack((t.cost for t in per_tensor), world, budget.total):
         reads: list[Read] = []
         keyed: list[tuple[tuple[int, int, int, Box], Piece]] = []
         for t in per_tensor[start:end]:

@@ -37,6 +37,7 @@ from reshard_svc.format.safetensors import dtype_from_name
 from reshard_svc.format.target import check_distinct
 from reshard_svc.format.values import flat_values
 from reshard_svc.layout import Box, Mesh
+from reshard_svc.plan.budget import parse_size
 from reshard_svc.plan.items import Held, Piece, Wave
 from reshard_svc.plan.names import parse_renames, select_tensors, split_layers
 from reshard_svc.plan.output import (
@@ -49,7 +50,7 @@ from reshard_svc.plan.output import (
 from reshard_svc.plan.quant import dequantize_box, fp8_pairs, is_fp8, scale_box, scale_tensors
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.plan.rules import load_rules, resolve_layouts
-from reshard_svc.plan.spec import ConvertSpec, Format, parse_mesh, parse_size
+from reshard_svc.plan.spec import ConvertSpec, Format, parse_mesh
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.executor import Progress, execute
@@ -62,11 +63,14 @@ __all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONVERT_MEMORY = 1024**3
-
 
 @dataclass(frozen=True, kw_only=True)
 class ConvertResult:
+    """What :func:`convert` did, on this worker (every worker returns one; the totals are
+    the same on all): the index it committed, the read strategy that ran, the bytes read
+    by this worker and by all, moved between workers and written, the waves, and how many
+    tensors were cast, kept their dtype or were dequantized."""
+
     index: CheckpointIndex
     strategy: str
     bytes_read: int  # by this worker
@@ -222,7 +226,7 @@ class Conversion:
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.spec = spec
-        self.budget = parse_size(spec.max_memory, "max_memory") or DEFAULT_CONVERT_MEMORY
+        self.budget = spec.budget("convert")
         self.shard_cap = parse_size(spec.max_shard_size, "max_shard_size") or DEFAULT_SHARD_SIZE
         self.out_dtype = dtype_from_name(spec.dtype) if spec.dtype else None
         self.mesh = Mesh(tuple(spec.mesh.values()), tuple(spec.mesh)) if spec.mesh else None
@@ -238,7 +242,7 @@ class Conversion:
         except BaseException:
             self.abort()
             raise
-        background = BackgroundWriter(max(1, self.budget // 4))
+        background = BackgroundWriter(self.budget.writer)
         try:
             bytes_read, results = self.execute(out, plan, where, background, progress)
         except BaseException:
@@ -368,7 +372,7 @@ class Conversion:
             self.dtypes,
             where,
             self.writers,
-            BufferPool(max(1, self.budget // 2)),
+            BufferPool(self.budget.buffers),
             transforms={n: (self.index.tensors[n].dtype, f) for n, f in transforms.items()},
         )
 

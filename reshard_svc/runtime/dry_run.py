@@ -23,9 +23,8 @@ from typing import Any
 from reshard_svc.errors import UsageError
 from reshard_svc.plan.items import Held
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan
-from reshard_svc.plan.spec import ConvertSpec, Format, parse_size
-from reshard_svc.runtime.convert import DEFAULT_CONVERT_MEMORY, Conversion
-from reshard_svc.runtime.load import DEFAULT_MAX_MEMORY
+from reshard_svc.plan.spec import ConvertSpec, Format
+from reshard_svc.runtime.convert import Conversion
 
 __all__ = ["DryRun", "Spread", "dry_run"]
 
@@ -105,7 +104,7 @@ def dry_run(
     started = time.perf_counter()
     conv.open_source()
     if load:
-        budget = parse_size(spec.max_memory, "max_memory") or DEFAULT_MAX_MEMORY
+        budget = spec.budget("load")
         wanted = {
             name: [
                 Held(box=it.box, holders=it.holders)
@@ -117,9 +116,9 @@ def dry_run(
             conv.index, wanted, world, budget, str(spec.strategy), StorageCost.of(conv.storage)
         )
     else:
-        budget = parse_size(spec.max_memory, "max_memory") or DEFAULT_CONVERT_MEMORY
+        budget = conv.budget
         _, plan, _, _ = conv.plan(world)
-    return _report("load" if load else "convert", spec.source, plan, budget, started)
+    return _report("load" if load else "convert", spec.source, plan, budget.total, started)
 
 
 def _report(mode: str, source: str, plan: ReadPlan, budget: int, started: float) -> DryRun:

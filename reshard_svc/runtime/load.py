@@ -21,6 +21,7 @@ from reshard_svc.errors import CheckpointError, MissingFileError, StateDictError
 from reshard_svc.format.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
 from reshard_svc.format.readers import open_checkpoint
 from reshard_svc.format.values import StoredValues, opaque_in
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.items import Piece, Wave
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.runtime.comm import Comm
@@ -30,15 +31,17 @@ from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import Placed, describe, gather
 from reshard_svc.storage import Storage, open_storage
 
-__all__ = ["DEFAULT_MAX_MEMORY", "LoadStats", "load", "open_shared"]
+__all__ = ["LoadStats", "load", "open_shared"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoadStats:
+    """What :func:`load` did on this rank: the bytes it fetched from storage (CRC32C blocks
+    are read whole) against the bytes it was planned to read, the size of every tensor
+    loaded, the waves, and the read strategy that ran."""
+
     bytes_read: int  # fetched by this rank from storage (CRC blocks are read whole)
     bytes_total: int  # size of the loaded tensors in the checkpoint
     waves: int
@@ -99,7 +102,7 @@ def load(
     *,
     process_group: Any = None,
     strict: bool = True,
-    max_memory: int = DEFAULT_MAX_MEMORY,
+    max_memory: int | str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
     strategy: str = "auto",
@@ -134,9 +137,10 @@ def load(
         ),
     )
     placed, holdings = got.mine["load"], got.holdings["load"]
-    warn_if_over_budget(index, holdings, max_memory)
+    budget = Budget.of(max_memory, "load")
+    warn_if_over_budget(index, holdings, budget)
     wanted = {n: h.held for n, h in holdings.items()}
-    plan = choose_plan(index, wanted, comm.world, max_memory, strategy, StorageCost.of(storage))
+    plan = choose_plan(index, wanted, comm.world, budget, strategy, StorageCost.of(storage))
     dtypes = {n: m.dtype for n, m in index.tensors.items()}
     source = StorageSource(storage, dtypes, comm.rank, index.block_tables())
     with torch.no_grad():

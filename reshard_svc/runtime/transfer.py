@@ -52,6 +52,7 @@ from reshard_svc.errors import (
     TransferError,
 )
 from reshard_svc.layout import Box
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.items import Piece, Read, Wave
 from reshard_svc.plan.transfer import Cat, TransferPlan, plan_transfer
@@ -71,7 +72,6 @@ from reshard_svc.runtime.targets import (
 __all__ = ["DEFAULT_CACHE", "PlanCache", "TransferResult", "transfer"]
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,7 +113,7 @@ def transfer(
     *,
     names: Mapping[str, str | Cat] | None = None,
     process_group: Any = None,
-    max_memory: int = DEFAULT_MAX_MEMORY,
+    max_memory: int | str | None = None,
     plan_cache: PlanCache[Any] | None = DEFAULT_CACHE,
     verify: bool = False,
 ) -> TransferResult:
@@ -137,8 +137,9 @@ def transfer(
     # steps, and a collection over a torch process's heap costs about 0.1 s on one rank,
     # which every other rank then waits for at the next wave.
     with torch.no_grad(), collector_paused():
-        local = LocalSides.of(src, dst, names, max_memory, comm)
-        entry, cached = agreed_plan(local, comm, names, max_memory, plan_cache)
+        budget = Budget.of(max_memory, "transfer")
+        local = LocalSides.of(src, dst, names, budget, comm)
+        entry, cached = agreed_plan(local, comm, names, budget, plan_cache)
         plan = entry.plan
         if verify:
             check_sources(entry, local, comm)
@@ -195,7 +196,7 @@ class LocalSides:
         src: Mapping[str, Any] | None,
         dst: Mapping[str, Any] | None,
         names: Mapping[str, str | Cat] | None,
-        budget: int,
+        budget: Budget,
         comm: Comm,
     ) -> LocalSides:
         try:
@@ -206,7 +207,7 @@ class LocalSides:
             side: {n: p.describe() for n, p in sorted(ps.items())}
             for side, ps in (("src", s), ("dst", d))
         }
-        key = json.dumps([me, _names_json(names), budget, comm.rank, comm.world])
+        key = json.dumps([me, _names_json(names), budget.total, comm.rank, comm.world])
         return cls(src=s, dst=d, error=None, key=key)
 
     def sides(self) -> dict[str, dict[str, Placed]]:
@@ -245,14 +246,14 @@ def agreed_plan(
     local: LocalSides,
     comm: Comm,
     names: Mapping[str, str | Cat] | None,
-    budget: int,
+    budget: Budget,
     cache: PlanCache[Any] | None,
 ) -> tuple[TransferEntry, bool]:
     hit = cache.get(local.key) if cache is not None and local.error is None else None
     high, neg_low = comm.all_reduce_max([hit.plan_id if hit else -1, -(hit.plan_id if hit else -1)])
     if hit is not None and high == -neg_low and high >= 0:
         return hit, True  # every rank hit the same plan
-    agreed = {"names": _names_json(names), "budget": budget}
+    agreed = {"names": _names_json(names), "budget": budget.total}
     got = gather(comm, "transfer: describing tensors", lambda: (local.sides(), agreed))
     for rank, theirs in enumerate(got.extras):
         for what in ("names", "budget"):

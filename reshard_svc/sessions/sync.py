@@ -48,13 +48,13 @@ import torch
 
 from reshard_svc._collector import collector_paused
 from reshard_svc.errors import DistributedError, TransferAbortedError, TransferError, UsageError
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.transfer import Cat, TransferPlan
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.executor import execute
 from reshard_svc.runtime.targets import Placed
 from reshard_svc.runtime.transfer import (
-    DEFAULT_MAX_MEMORY,
     HeldSource,
     LocalSides,
     TransferEntry,
@@ -118,15 +118,13 @@ class WeightSync:
         *,
         names: Mapping[str, str | Cat] | None = None,
         process_group: Any = None,
-        max_memory: int = DEFAULT_MAX_MEMORY,
+        max_memory: int | str | None = None,
         delta: bool = True,
         verify: bool = False,
     ) -> None:
-        if not isinstance(max_memory, int) or max_memory <= 0:
-            raise UsageError(f"max_memory must be a positive number of bytes, got {max_memory!r}")
         self._comm = Comm(process_group)
         self._src, self._dst = src, dst
-        self._names, self._budget = names, max_memory
+        self._names, self._budget = names, Budget.of(max_memory, "transfer")
         self._delta, self._verify = bool(delta), bool(verify)
         self._cache: PlanCache[Any] = PlanCache(1)
         self._geometry: Geometry | None = None

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import Layout
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.output import assign_files, plan_native, target_bands
 from reshard_svc.plan.read import StorageCost, choose_plan
 from reshard_svc.plan.save import FileSpec
@@ -63,7 +64,7 @@ def test_splitting_tp2_into_tp4_on_two_workers_reads_each_source_byte_once():
     layouts = {"col": dst, "row": rows[1]}
     dtypes = dict.fromkeys(tensors, torch.float32)
     out = plan_native(index, layouts, dtypes, 2, "t", "")
-    wanted, _ = target_bands(out, index, 1 << 20)
+    wanted, _ = target_bands(out, index, Budget(1 << 20))
     local = StorageCost(latency_s=5e-5, bandwidth=3e9, local=True)
-    plan = choose_plan(index, wanted, 2, 1 << 20, "direct", local)
+    plan = choose_plan(index, wanted, 2, Budget(1 << 20), "direct", local)
     assert plan.bytes_read() == [64 * 128 * ISZ] * 2  # each worker reads one source shard

@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 from reshard_svc.format.index import CheckpointIndex, Chunk, TensorMeta
 from reshard_svc.layout import Box, Layout
 from reshard_svc.layout.box import check_tiling
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.items import Held
-from reshard_svc.plan.read import ReadPlan, band_limit, plan_reads, row_step
+from reshard_svc.plan.read import ReadPlan, plan_reads, row_step
 from tests.unit.test_layout import cases
 
 EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -82,7 +83,7 @@ def plan_for(shape, src, dst, budget, strategy, copies=1):
     index = CheckpointIndex(tensors=tensors, files={})
     boxes = [Held(box=it.box, holders=it.holders) for it in dst.write_items(shape, ISZ)]
     wanted = dict.fromkeys(names, boxes)
-    plan = plan_reads(index, wanted, dst.mesh.size, budget, strategy=strategy)
+    plan = plan_reads(index, wanted, dst.mesh.size, Budget(budget), strategy=strategy)
     return index, plan, wanted
 
 
@@ -153,7 +154,7 @@ def test_exchange_reads_each_byte_once_and_direct_moves_nothing(problem):
 def test_waves_stay_within_the_budget(problem):
     shape, budget = problem[0], problem[3]
     _, plan, _ = plan_for(*problem)
-    step = row_step(shape, ISZ, band_limit(budget))
+    step = row_step(shape, ISZ, Budget(budget).band)
     reads = {r.id: r for w in plan.waves for r in w.reads}
     for w in plan.waves:
         use = [0] * plan.world
@@ -190,7 +191,7 @@ def test_a_shared_template_plans_each_tensor_as_if_alone(problem):
             CheckpointIndex(tensors={name: meta}, files={}),
             {name: wanted[name]},
             plan.world,
-            budget,
+            Budget(budget),
             strategy=strategy,
         )
         assert shape_of(plan, name) == shape_of(alone, name), name
@@ -235,7 +236,7 @@ def test_a_replicated_tensor_is_read_once_and_every_holder_sends_about_one_copy(
     )
     dst = Layout.parse("tp=48", "R")
     wanted = {"w": [Held(box=it.box, holders=it.holders) for it in dst.write_items(shape, ISZ)]}
-    plan = plan_reads(index, wanted, 48, 1 << 30, strategy="exchange")
+    plan = plan_reads(index, wanted, 48, Budget(1 << 30), strategy="exchange")
     total = math.prod(shape) * ISZ
     assert sum(plan.bytes_read()) == total
     sent = plan.bytes_sent()
@@ -255,7 +256,7 @@ def test_tied_reads_spread_over_tensors_that_share_a_template():
         n: [Held(box=it.box, holders=it.holders) for it in dst.write_items((64,), ISZ)]
         for n in tensors
     }
-    plan = plan_reads(index, wanted, 4, 1 << 20, strategy="exchange")
+    plan = plan_reads(index, wanted, 4, Budget(1 << 20), strategy="exchange")
     assert plan.bytes_read() == [2 * 64 * ISZ] * 4
     assert max(plan.bytes_sent()) == min(plan.bytes_sent()) == 2 * 3 * 64 * ISZ
 
@@ -279,7 +280,7 @@ def test_repeated_plans_hit_the_cache():
         )
         for n, m in index.tensors.items()
     }
-    b = plan_reads(CheckpointIndex(tensors=moved, files={}), wanted, 2, 1 << 16)
+    b = plan_reads(CheckpointIndex(tensors=moved, files={}), wanted, 2, Budget(1 << 16))
     assert b is not a and {r.begin for w in b.waves for r in w.reads} != {
         r.begin for w in a.waves for r in w.reads
     }
@@ -301,17 +302,19 @@ def test_auto_keeps_read_once_off_local_files_and_picks_direct_on_a_page_cache()
     index, wanted = _replicated_problem()
     total = 4096 * 1024 * ISZ
     remote = StorageCost(latency_s=3e-2, bandwidth=5e8, local=False)
-    plan = choose_plan(index, wanted, 2, 1 << 20, "auto", remote)
+    plan = choose_plan(index, wanted, 2, Budget(1 << 20), "auto", remote)
     assert plan.strategy == "exchange" and sum(plan.bytes_read()) == total
     # Even a remote store that claims to be fast keeps read-once: requests cost money.
     fast_remote = StorageCost(latency_s=1e-6, bandwidth=1e12, local=False)
-    assert choose_plan(index, wanted, 2, 1 << 20, "auto", fast_remote).strategy == "exchange"
+    assert (
+        choose_plan(index, wanted, 2, Budget(1 << 20), "auto", fast_remote).strategy == "exchange"
+    )
     local = StorageCost(latency_s=5e-5, bandwidth=3e9, local=True)
-    plan = choose_plan(index, wanted, 2, 1 << 20, "auto", local)
+    plan = choose_plan(index, wanted, 2, Budget(1 << 20), "auto", local)
     assert plan.strategy == "direct" and plan.bytes_exchanged() == 0
     # a slow exchange makes direct win; a slow local disk makes exchange win
     slow_disk = StorageCost(latency_s=5e-5, bandwidth=1e6, exchange_bandwidth=1e12, local=True)
-    assert choose_plan(index, wanted, 2, 1 << 20, "auto", slow_disk).strategy == "exchange"
+    assert choose_plan(index, wanted, 2, Budget(1 << 20), "auto", slow_disk).strategy == "exchange"
 
 
 def test_auto_does_not_plan_direct_for_replicas_on_thousands_of_ranks(monkeypatch):
@@ -322,13 +325,18 @@ def test_auto_does_not_plan_direct_for_replicas_on_thousands_of_ranks(monkeypatc
     index, wanted = _replicated_problem()
     local = read_plan.StorageCost(latency_s=5e-5, bandwidth=3e9, local=True)
     read_plan.PLANS.clear()
-    assert read_plan.choose_plan(index, wanted, 2, 1 << 20, "auto", local).strategy == "direct"
+    assert (
+        read_plan.choose_plan(index, wanted, 2, Budget(1 << 20), "auto", local).strategy == "direct"
+    )
     planned = []
     real = read_plan._plan
     monkeypatch.setattr(read_plan, "_plan", lambda *a: planned.append(a[-1]) or real(*a))
     monkeypatch.setattr(read_plan, "MAX_DIRECT_READS", 1)
     read_plan.PLANS.clear()
-    assert read_plan.choose_plan(index, wanted, 2, 1 << 20, "auto", local).strategy == "exchange"
+    assert (
+        read_plan.choose_plan(index, wanted, 2, Budget(1 << 20), "auto", local).strategy
+        == "exchange"
+    )
     assert planned == ["exchange"]
 
 

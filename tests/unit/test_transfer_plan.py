@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from reshard_svc.errors import TransferError
 from reshard_svc.layout import Box, Layout, Mesh, Replicate, Shard, StridedShard
+from reshard_svc.plan.budget import Budget
 from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.plan.transfer import Cat, plan_transfer
 
@@ -102,7 +103,7 @@ def _sl(box: Box):
 def test_every_target_element_arrives_once_from_a_holder(problem, budget):
     src, dst, names, world = build(*problem)
     try:
-        plan = plan_transfer(src, dst, names, world, budget)
+        plan = plan_transfer(src, dst, names, world, Budget(budget))
     except TransferError as e:
         assert "raise max_memory" in str(e)
         return
@@ -148,7 +149,7 @@ def test_sending_spreads_over_replicas(problem):
     """Replaying the plan in order, each piece is sent by a holder with the least bytes
     sent so far, and pieces a receiver holds itself are copied, never sent."""
     src, dst, names, world = build(*problem)
-    plan = plan_transfer(src, dst, names, world, 1 << 40)
+    plan = plan_transfer(src, dst, names, world, Budget(1 << 40))
     holders = {n: {h.box: h.holders for h in s.held} for n, s in src.items()}
     load = [0] * world
     boxes = {n: [h.box for h in s.held] for n, s in src.items()}
@@ -174,7 +175,7 @@ def test_many_buckets_keep_whole_tensors_together():
     src = {f"w{i}": side(shape, lay, 0) for i in range(6)}
     dst = {f"w{i}": side(shape, Layout(Mesh((2,)), (Shard(1),)), 2) for i in range(6)}
     per_tensor = 8 * 4 * ISZ  # each rank sends half, receives half, stages half
-    plan = plan_transfer(src, dst, None, 4, 2 * per_tensor)
+    plan = plan_transfer(src, dst, None, 4, Budget(2 * per_tensor))
     assert len(plan.waves) == 3
     for w in plan.waves:
         assert {plan.targets[p.target].tensor for p in w.pieces} == set(w.tensors)
@@ -213,7 +214,7 @@ def _simple(shape=(4, 4), dtype="float64"):
 )
 def test_mismatches_are_typed_errors(src, dst, names, text):
     with pytest.raises(TransferError) as e:
-        plan_transfer(src, dst, names, 4, 1 << 30)
+        plan_transfer(src, dst, names, 4, Budget(1 << 30))
     assert text in str(e.value)
 
 
@@ -221,7 +222,7 @@ def test_sources_that_do_not_tile_are_refused():
     full = _simple()
     holed = Holdings(dtype="float64", itemsize=ISZ, shape=(4, 4), held=full.held[:1])  # half
     with pytest.raises(TransferError, match="cover 8 of 16"):
-        plan_transfer({"a": holed}, {"a": full}, None, 4, 1 << 30)
+        plan_transfer({"a": holed}, {"a": full}, None, 4, Budget(1 << 30))
 
 
 def test_cat_needs_names():
