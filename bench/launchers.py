@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cli_convert import build  # noqa: E402
-from tests.support.slurm_cluster import SlurmCluster, missing  # noqa: E402
+from bench.slurm_cluster import SlurmCluster, missing  # noqa: E402
+from reshard_svc._process import free_port  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -95,8 +96,6 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     build(str(base / "src"), args.size)
-    from tests.support.harness import free_port
-
     with SlurmCluster(base / "slurm") as cluster:
         os.environ["SLURM_CONF"] = str(cluster.conf)
         ports = {"local": free_port(), "slurm": free_port()}

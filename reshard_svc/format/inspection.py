@@ -77,6 +77,10 @@ def read_blob(uri: str, name: str, storage_options: Mapping[str, Any] | None = N
 
 @dataclass(kw_only=True)
 class VerifyReport:
+    """What :func:`verify` found at ``uri``: ``ok`` when ``problems`` is empty. How much it
+    checked (files, bytes hashed, tensors), what the checkpoint records, and the bytes no
+    checksum covers, with why."""
+
     uri: str
     problems: list[str] = field(default_factory=list)
     files_checked: int = 0

@@ -346,3 +346,25 @@ def test_inspect_layout_draws_each_box_with_its_holders(tmp_path):
     assert (
         bad.returncode == 2 and "no tensor 'nope'" in bad.stderr and "Traceback" not in bad.stderr
     )
+
+
+def test_help_lists_each_command_in_sentences_that_wrap_where_the_terminal_does():
+    """A docstring's own line breaks never reach ``reshard --help``: each command's summary
+    is its first paragraph on one line (at 80 columns rich wraps it, never mid-line)."""
+    from reshard_client.cli import app
+
+    for info in app.registered_commands:
+        assert info.short_help and "\n" not in info.short_help, info.name
+    env = {**os.environ, "COLUMNS": "400"}
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "reshard_client.cli", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    ).stdout
+    steps = [line for line in out.splitlines() if " steps " in line]
+    assert len(steps) == 1 and steps[0].rstrip(" │").endswith("Changes nothing."), steps

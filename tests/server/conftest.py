@@ -131,7 +131,7 @@ def server(make_server):
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A real single-node Slurm cluster (slurm-wlm + munge) for the whole session."""
-    from tests.support.slurm_cluster import SlurmCluster, missing
+    from bench.slurm_cluster import SlurmCluster, missing
 
     why = missing()
     if why:
@@ -146,8 +146,18 @@ def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray.job_submission")
     from tests.support.ray_cluster import RayCluster
 
-    with RayCluster(tmp_path_factory.mktemp("ray")) as cluster:
-        yield cluster
+    # a process that looks like another Ray on this host: stopping ours leaves it alone
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(900)", "raylet", "--gcs-address=x:1"]
+    )
+    try:
+        with RayCluster(tmp_path_factory.mktemp("ray")) as cluster:
+            yield cluster
+        assert cluster.processes() == [], "the Ray cluster left processes behind"
+        assert other.poll() is None, "stopping the test's Ray cluster stopped another process"
+    finally:
+        other.kill()
+        other.wait()
 
 
 def tensors(seed: int = 0, rows: int = 64) -> dict[str, torch.Tensor]:

@@ -1,9 +1,11 @@
 """A real Ray cluster on this host for the Ray launcher's tests: a head (with the dashboard
 and its job API) and one more worker node, each with its own CPU count, started with
-Ray's own ``ray start`` and stopped with ``ray stop``."""
+Ray's own ``ray start``. Stopping it stops only its own processes (``ray stop`` would stop
+every Ray on the host, another user's or another test run's included)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -53,7 +55,7 @@ class RayCluster:
             "start", f"--address={self.gcs}", f"--num-cpus={self.cpus}", "--disable-usage-stats"
         )
         if node.returncode != 0:
-            self._ray("stop", "--force")
+            self.stop()
             raise RuntimeError(f"ray start --address failed: {node.stderr[-2000:]}")
         self._wait_for(2)
         return self
@@ -96,5 +98,40 @@ class RayCluster:
             return []
         return [g for g in groups if g.get("state") != "REMOVED"]
 
+    def processes(self) -> list[Any]:
+        """This cluster's processes: those whose command line names its temp folder or its
+        GCS address (its GCS, raylets, dashboard and agents), and everything under them
+        (workers, a job's torchrun)."""
+        import psutil
+
+        marks = [str(self.tmp), f"127.0.0.1:{self.port}"]
+        if self.gcs:
+            marks.append(self.gcs)
+        found: dict[int, Any] = {}
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                line = " ".join(p.info["cmdline"] or ())
+                if any(m in line for m in marks):
+                    found[p.pid] = p
+                    found.update((c.pid, c) for c in p.children(recursive=True))
+            except psutil.Error:
+                continue
+        found.pop(os.getpid(), None)
+        return list(found.values())
+
+    def stop(self) -> None:
+        """SIGTERM to this cluster's processes, SIGKILL to what is left after 15 s."""
+        import psutil
+
+        procs = self.processes()
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
+
     def __exit__(self, *exc: Any) -> None:
-        self._ray("stop", "--force")
+        self.stop()

@@ -351,3 +351,17 @@ def test_backend_file_names_are_spelled_in_storage_only():
                 if any(n in node.value for n in names):
                     wrong.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.value!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_benches_stand_on_their_own():
+    """``bench/`` imports the package and itself, never the test suite."""
+    wrong = []
+    for path in sorted((ROOT.parent / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            wrong += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "tests"]
+    assert not wrong, "\n".join(wrong)

@@ -19,4 +19,17 @@ from reshard_client.cli import jobs
 
 # isort: on
 
+
+def _one_line_summaries() -> None:
+    """``reshard --help`` lists each command by the first paragraph of its docstring; a
+    docstring wraps at 100 columns, so its line breaks would reach the terminal: join them
+    (rich wraps the line to the terminal's width)."""
+    for info in app.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback else None)
+        if info.short_help is None and doc:
+            info.short_help = " ".join(doc.strip().split("\n\n")[0].split())
+
+
+_one_line_summaries()
+
 __all__ = ["app", "jobs", "local", "main"]

@@ -1,9 +1,11 @@
-"""A real single-node Slurm cluster for the tests: munged, slurmctld and slurmd on 127.0.0.1.
+"""A real single-node Slurm cluster (munged, slurmctld, slurmd on 127.0.0.1) for the tests
+and the benches.
 
 Debian's ``slurm-wlm`` and ``munge`` packages (``.ci/run`` installs them when it runs as
 root). Everything lives in one temporary folder: its own munge key and socket, its own
 ``slurm.conf`` (``SLURM_CONF`` points the client commands at it), state, spool and logs.
-Run ``python tests/slurm_cluster.py`` to start one by hand and print its ``SLURM_CONF``.
+Run ``python bench/slurm_cluster.py`` to start one by hand and print its ``SLURM_CONF``; the
+tests (``tests/server/conftest.py``) and ``bench/launchers.py`` start theirs with it.
 """
 
 from __future__ import annotations
