@@ -34,7 +34,7 @@ from reshard_svc.errors import (
 )
 
 #: Public name -> the module that defines it. Imported on first use (PEP 562), so that
-#: ``import reshard_svc.plan.spec`` (the CLI's ``--help``, the client, the control plane)
+#: ``import reshard_svc.jobs.spec`` (the CLI's ``--help``, the client, the control plane)
 #: does not pay for importing torch.
 _LAZY = {
     "CheckpointIndex": "reshard_svc.format.index",

@@ -3,7 +3,7 @@
 ``python -m reshard_svc.worker convert SRC DST --flag value ...`` (after ``python``, or
 after ``torchrun`` and its options); :func:`from_argv` reads it back
 (``from_argv(to_argv(s), s.nodes, s.workers_per_node) == s``). Both are made from the
-options :class:`~reshard_svc.plan.spec.ConvertSpec` declares; ``nodes`` and
+options :class:`~reshard_svc.jobs.spec.ConvertSpec` declares; ``nodes`` and
 ``workers_per_node`` are not on it: torchrun gives each worker its world.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from reshard_svc.plan.spec import ConvertSpec, format_mesh, options, options_from_text
+from reshard_svc.jobs.spec import ConvertSpec, format_mesh, options, options_from_text
 
 __all__ = ["WORKER_MODULE", "build_parser", "from_args", "from_argv", "to_argv", "worker_argv"]
 

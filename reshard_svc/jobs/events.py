@@ -24,12 +24,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from reshard_svc.errors import UsageError
-
-if TYPE_CHECKING:
-    from reshard_svc.runtime.convert import ConvertResult
 from reshard_svc.jobs.environment import CALLBACK_TIMEOUT_ENV, CALLBACK_TOKEN_ENV, CALLBACK_URL_ENV
 
 EVENT_KINDS = ("progress", "done", "error")
@@ -54,7 +51,29 @@ _OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 
 
-def done_event(result: ConvertResult, seconds: float) -> dict[str, Any]:
+class Finished(Protocol):
+    """What a ``done`` event reports of a finished conversion
+    (:class:`~reshard_svc.runtime.convert.ConvertResult` has it)."""
+
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def bytes_read_total(self) -> int: ...
+    @property
+    def bytes_written_total(self) -> int: ...
+    @property
+    def bytes_exchanged(self) -> int: ...
+    @property
+    def tensors(self) -> int: ...
+    @property
+    def cast(self) -> int: ...
+    @property
+    def kept(self) -> int: ...
+    @property
+    def dequantized(self) -> int: ...
+
+
+def done_event(result: Finished, seconds: float) -> dict[str, Any]:
     """The ``done`` event of a finished conversion (the CLI prints it, the worker posts it)."""
     return {
         "event": "done",
@@ -63,7 +82,7 @@ def done_event(result: ConvertResult, seconds: float) -> dict[str, Any]:
         "bytes_read": result.bytes_read_total,
         "bytes_written": result.bytes_written_total,
         "bytes_exchanged": result.bytes_exchanged,
-        "tensors": len(result.index.tensors),
+        "tensors": result.tensors,
         "cast": result.cast,
         "kept": result.kept,
         "dequantized": result.dequantized,

@@ -36,6 +36,7 @@ from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name
 from reshard_svc.format.target import check_distinct
 from reshard_svc.format.values import flat_values
+from reshard_svc.jobs.spec import ConvertSpec, Format, parse_mesh
 from reshard_svc.layout import Box, Mesh
 from reshard_svc.plan.budget import parse_size
 from reshard_svc.plan.items import Held, Piece, Wave
@@ -50,7 +51,6 @@ from reshard_svc.plan.output import (
 from reshard_svc.plan.quant import dequantize_box, fp8_pairs, is_fp8, scale_box, scale_tensors
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.plan.rules import load_rules, resolve_layouts
-from reshard_svc.plan.spec import ConvertSpec, Format, parse_mesh
 from reshard_svc.runtime.buffers import BackgroundWriter, BufferPool
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.executor import Progress, execute
@@ -81,6 +81,11 @@ class ConvertResult:
     cast: int = 0  # tensors cast to the spec's dtype
     kept: int = 0  # floating tensors that kept theirs (0-dim, FP8 and scales, keep_dtype)
     dequantized: int = 0  # FP8 weights dequantized with their block scales
+
+    @property
+    def tensors(self) -> int:
+        """Tensors in the committed checkpoint."""
+        return len(self.index.tensors)
 
 
 def convert(
@@ -129,7 +134,7 @@ def convert(
     their ``*_scale_inv`` (in float32), casts them to ``dtype`` (bf16 by default) and drops
     the scales (see :mod:`reshard_svc.plan.quant`).
 
-    The arguments make one :class:`~reshard_svc.plan.spec.ConvertSpec` (the job contract
+    The arguments make one :class:`~reshard_svc.jobs.spec.ConvertSpec` (the job contract
     the CLI, the server and the worker use too), checked in one place.
     """
     spec = ConvertSpec(
@@ -213,7 +218,7 @@ def _size_text(size: int | str | None) -> str | None:
 
 class Conversion:
     """One conversion on this worker, as named steps over one checked
-    :class:`~reshard_svc.plan.spec.ConvertSpec`. Every step that can fail runs through
+    :class:`~reshard_svc.jobs.spec.ConvertSpec`. Every step that can fail runs through
     ``comm.run_everywhere``, so all workers fail together and none is left in a
     collective its peers abandoned; any failure before the commit drops the staging data.
     """

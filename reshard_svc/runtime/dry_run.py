@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from reshard_svc.errors import UsageError
+from reshard_svc.jobs.spec import ConvertSpec, Format
 from reshard_svc.plan.items import Held
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan
-from reshard_svc.plan.spec import ConvertSpec, Format
 from reshard_svc.runtime.convert import Conversion
 
 __all__ = ["DryRun", "Spread", "dry_run"]

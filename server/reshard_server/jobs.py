@@ -33,7 +33,7 @@ from reshard_server.db import JobRow, JobStore
 from reshard_server.launchers import EngineStatus, Launch, Launcher
 from reshard_server.ticker import Ticker
 from reshard_svc.jobs.environment import lease_owner, worker_env
-from reshard_svc.plan.spec import ConvertSpec
+from reshard_svc.jobs.spec import ConvertSpec
 
 __all__ = ["JobManager", "token_hash"]
 

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from reshard_svc.plan.spec import (
+from reshard_svc.jobs.spec import (
     MAX_WORKERS,
     WORKERS,
     ConvertSpec,
@@ -146,7 +146,7 @@ else:
         __module__=__name__,
         __doc__="How a conversion reshapes what it reads (everything but where from and where "
         "to): shared by a job, a plan and a watch's jobs. Made from the options "
-        ":class:`reshard_svc.plan.spec.ConvertSpec` declares.",
+        ":class:`reshard_svc.jobs.spec.ConvertSpec` declares.",
         **_FIELDS,
     )
 
@@ -155,7 +155,7 @@ class JobCreate(ConvertOptions):
     """A conversion to run: ``source`` -> ``target`` with a new mesh / rules / format.
 
     Field types give the OpenAPI schema; the values are checked by
-    :class:`reshard_svc.plan.spec.ConvertSpec`, the contract the workers run (422 otherwise).
+    :class:`reshard_svc.jobs.spec.ConvertSpec`, the contract the workers run (422 otherwise).
     """
 
     source: Annotated[

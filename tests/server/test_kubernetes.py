@@ -21,7 +21,7 @@ from reshard_server.config import Settings
 from reshard_server.launchers import Launch
 from reshard_server.launchers.kubernetes import trainjob_body
 from reshard_svc.jobs.argv import from_argv
-from reshard_svc.plan.spec import ConvertSpec
+from reshard_svc.jobs.spec import ConvertSpec
 from tests.server.conftest import assert_holds, make_tp4, tensors
 from tests.support.k8s_schema import TrainJobInvalid, validate_trainjob
 

@@ -18,7 +18,7 @@ def test_the_server_plans_what_reshard_plan_plans(server, tmp_path):
         load = c.plan({**body, "load": True})
         with pytest.raises(Forbidden, match="outside the allowed roots"):
             c.plan({**body, "source": str(tmp_path / "elsewhere")})
-    from reshard_svc.plan.spec import ConvertSpec
+    from reshard_svc.jobs.spec import ConvertSpec
     from reshard_svc.runtime.dry_run import dry_run
 
     here = dry_run(

@@ -9,8 +9,8 @@ import pytest
 
 import reshard_svc
 from reshard_svc.errors import UsageError
+from reshard_svc.jobs.spec import ConvertSpec
 from reshard_svc.plan.budget import DEFAULTS, Budget
-from reshard_svc.plan.spec import ConvertSpec
 
 ROOT = Path(reshard_svc.__file__).parent
 

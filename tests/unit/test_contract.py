@@ -1,6 +1,6 @@
 """The job contract is declared once: every other spelling of the options agrees with it.
 
-:class:`reshard_svc.plan.spec.ConvertSpec` declares each option (name, default, help,
+:class:`reshard_svc.jobs.spec.ConvertSpec` declares each option (name, default, help,
 form). The worker's command line, the CLI's ``convert``, ``plan``, ``submit`` and ``watch``,
 the server's request models and ``reshard_svc.convert(**options)`` are made from it or
 checked against it here; :func:`disagreements` is shown to find a wrong one.
@@ -22,7 +22,7 @@ import reshard_svc
 from reshard_client.cli import app
 from reshard_server.schemas import JobCreate, PlanCreate, WatchCreate
 from reshard_svc.jobs.argv import build_parser, from_argv, to_argv
-from reshard_svc.plan.spec import WORKERS, ConvertSpec, Format, Strategy, options
+from reshard_svc.jobs.spec import WORKERS, ConvertSpec, Format, Strategy, options
 
 LOCAL = {name for name, _, _ in options(placement=False)}
 ALL = {name for name, _, _ in options()}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from reshard_svc.errors import UsageError
 from reshard_svc.jobs.argv import from_argv, to_argv
 from reshard_svc.jobs.events import EventReporter, latest_events, read_events
-from reshard_svc.plan.spec import (
+from reshard_svc.jobs.spec import (
     CHECKSUMS,
     FORMATS,
     STRATEGIES,

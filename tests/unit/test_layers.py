@@ -2,9 +2,11 @@
 
 ``reshard_svc`` is layered bottom-up: the base modules (errors, version, the collector
 pause), then ``layout`` (pure geometry), ``storage`` (bytes at a URI), ``format`` (what the
-bytes mean), ``plan`` (pure plans), ``runtime`` (process groups, the executor, the verbs), ``sessions``
-(long-lived objects over the verbs: the checkpoint manager, the sync session) and ``jobs``
-(the worker and its events). A module may import from its own layer and the ones below,
+bytes mean), ``plan`` (pure plans), ``jobs`` (the job contract: the spec and its forms, the worker's
+command line, its events and environment), ``runtime`` (process groups, the executor, the
+verbs) and ``sessions`` (long-lived objects over the verbs: the checkpoint manager, the
+sync session). The worker (``python -m reshard_svc.worker``) and the package's
+``__init__`` are on top. A module may import from its own layer and the ones below,
 never above. This walks every import statement of every module: the lazy ones inside
 functions and the ``TYPE_CHECKING`` ones included.
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 import reshard_svc
 
 ROOT = Path(reshard_svc.__file__).parent
-LAYERS = ["layout", "storage", "format", "plan", "runtime", "sessions", "jobs"]
+LAYERS = ["layout", "storage", "format", "plan", "jobs", "runtime", "sessions"]
 BASE = {"errors", "_version", "_collector", "_process"}
 TOP = {"worker"}  # `python -m reshard_svc.worker`; the package's __init__ is top too
 

@@ -11,7 +11,7 @@ import sys
 def test_cli_client_and_schemas_do_not_import_torch():
     code = (
         "import sys, reshard_client.cli, reshard_client, reshard_server.schemas, "
-        "reshard_svc.plan.spec, reshard_svc; print(sorted(m for m in sys.modules "
+        "reshard_svc.jobs.spec, reshard_svc; print(sorted(m for m in sys.modules "
         "if m == 'torch' or m.startswith('torch.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,6 +14,7 @@ from reshard_svc.errors import UsageError
 from reshard_svc.format.index import TensorMeta
 from reshard_svc.format.readers import open_checkpoint
 from reshard_svc.jobs.argv import from_argv, to_argv
+from reshard_svc.jobs.spec import ConvertSpec
 from reshard_svc.plan.names import (
     Rename,
     load_renames,
@@ -21,7 +22,6 @@ from reshard_svc.plan.names import (
     select_tensors,
     stacked_axes,
 )
-from reshard_svc.plan.spec import ConvertSpec
 
 TITAN = {
     "tok_embeddings.weight": torch.arange(12.0).reshape(4, 3),

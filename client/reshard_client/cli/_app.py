@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from reshard_svc.plan.spec import Option, options
+from reshard_svc.jobs.spec import Option, options
 
 __all__ = [
     "app",
@@ -101,10 +101,10 @@ def _typer_param(name: str, default: Any, opt: Option) -> inspect.Parameter:
 
 
 def spec_options(*, placement: bool) -> Callable[[F], F]:
-    """Give a command the options :class:`reshard_svc.plan.spec.ConvertSpec` declares (after
+    """Give a command the options :class:`reshard_svc.jobs.spec.ConvertSpec` declares (after
     its arguments; ``placement``: ``--nodes`` and ``--workers-per-node`` too). The command
-    takes them as ``**options``, keyed by :meth:`~reshard_svc.plan.spec.Option.param`, and
-    turns them into spec fields with :func:`~reshard_svc.plan.spec.options_from_text`."""
+    takes them as ``**options``, keyed by :meth:`~reshard_svc.jobs.spec.Option.param`, and
+    turns them into spec fields with :func:`~reshard_svc.jobs.spec.options_from_text`."""
     added = [
         _typer_param(name, default, opt) for name, default, opt in options(placement=placement)
     ]

@@ -17,7 +17,7 @@ from reshard_client.cli._app import (
     size_text,
     spec_options,
 )
-from reshard_svc.plan.spec import WORKERS
+from reshard_svc.jobs.spec import WORKERS
 
 UrlOpt = Annotated[str | None, typer.Option("--url", envvar="RESHARD_URL", help="Server URL.")]
 TokenOpt = Annotated[
@@ -89,7 +89,7 @@ def _job_options(workers: int | None, options: dict[str, Any]) -> dict[str, Any]
     """The conversion options of a job body (files are read here: a rules or rename YAML is
     this machine's); those not given are left out, for the server's defaults."""
     from reshard_svc.errors import ReshardError
-    from reshard_svc.plan.spec import options_from_text
+    from reshard_svc.jobs.spec import options_from_text
 
     try:
         values = options_from_text(options)

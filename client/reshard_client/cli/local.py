@@ -241,7 +241,7 @@ def convert(
     from reshard_client.runner import ProgressOut, leftovers, run_in_process, run_workers
     from reshard_svc.errors import ReshardError
     from reshard_svc.format.target import preflight
-    from reshard_svc.plan.spec import ConvertSpec, options_from_text
+    from reshard_svc.jobs.spec import ConvertSpec, options_from_text
 
     try:
         values = options_from_text(options, placement=False)
@@ -437,7 +437,7 @@ def plan(
     the storage requests, waves and strategy. Reads the source's index only; takes
     convert's options."""
     from reshard_svc.errors import ReshardError
-    from reshard_svc.plan.spec import ConvertSpec, options_from_text
+    from reshard_svc.jobs.spec import ConvertSpec, options_from_text
     from reshard_svc.runtime.dry_run import dry_run
 
     try:

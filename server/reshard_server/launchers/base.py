@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from reshard_svc._process import set_pdeathsig, tagged_pids
 from reshard_svc.jobs.argv import worker_argv
 from reshard_svc.jobs.environment import JOB_ENV, LAUNCH_ENV
-from reshard_svc.plan.spec import ConvertSpec
+from reshard_svc.jobs.spec import ConvertSpec
 
 __all__ = [
     "ENGINE_STATES",
