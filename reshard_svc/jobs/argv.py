@@ -10,9 +10,8 @@ options :class:`~reshard_svc.jobs.spec.ConvertSpec` declares; ``nodes`` and
 from __future__ import annotations
 
 import argparse
-import json
 
-from reshard_svc.jobs.spec import ConvertSpec, format_mesh, options, options_from_text
+from reshard_svc.jobs.spec import ConvertSpec, options, options_from_text
 
 __all__ = ["WORKER_MODULE", "build_parser", "from_args", "from_argv", "to_argv", "worker_argv"]
 
@@ -34,23 +33,7 @@ def to_argv(spec: ConvertSpec, **extras: str | None) -> list[str]:
     ``extras`` are per-run options such as ``progress_file``."""
     argv = ["convert", spec.source, spec.target]
     for name, _, opt in options(placement=False):
-        value = getattr(spec, name)
-        flag = opt.flag(name)
-        if opt.form == "flag":
-            argv += [flag] if value else []
-        elif opt.form == "negated":
-            argv += [] if value else [flag]
-        elif opt.form == "list":
-            for item in value or ():
-                argv += [flag, item]
-        elif value is None:
-            continue
-        elif opt.form == "mesh":
-            argv += [flag, format_mesh(value)]
-        elif opt.form == "rules":
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
+        argv += opt.form.argv(opt.flag(name), getattr(spec, name))
     for key, value in extras.items():
         if value is not None:
             argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -86,15 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("dst")
     for name, default, opt in options(placement=False):
-        flag = opt.flag(name)
-        if opt.form in ("flag", "negated"):
-            c.add_argument(flag, action="store_true", help=opt.flag_help())
-        elif opt.form == "list":
-            c.add_argument(flag, action="append", metavar=opt.metavar, help=opt.flag_help())
-        elif opt.form == "choice":
-            c.add_argument(flag, choices=opt.choices, default=default, help=opt.flag_help())
-        else:
-            c.add_argument(flag, metavar=opt.metavar, help=opt.flag_help())
+        opt.form.add_argument(c, opt.flag(name), default, opt.metavar, opt.flag_help())
     c.add_argument("--no-checksum", action="store_true", help=argparse.SUPPRESS)
     c.add_argument("--progress-file", help="rank 0 appends JSON progress lines here")
     return ap

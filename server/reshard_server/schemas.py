@@ -20,17 +20,11 @@ from pydantic import (
 )
 
 from reshard_svc.jobs.spec import (
-    MAX_WORKERS,
     WORKERS,
     ConvertSpec,
     Option,
     argument_help,
-    check_count,
     options,
-    parse_dtype,
-    parse_mesh,
-    parse_rules,
-    parse_size,
 )
 
 __all__ = [
@@ -71,26 +65,14 @@ class _Options(BaseModel):
     @classmethod
     def _before(cls, v: Any, info: ValidationInfo) -> Any:
         opt = _FORMS.get(info.field_name or "")
-        if opt is not None and opt.form == "mesh" and isinstance(v, dict):
-            return parse_mesh(v)
-        return v
+        return v if opt is None else opt.form.before_json(v)
 
     @field_validator("*")
     @classmethod
     def _after(cls, v: Any, info: ValidationInfo) -> Any:
         name = info.field_name or ""
         opt = _FORMS.get(name)
-        if v is None or opt is None:
-            return v
-        if opt.form == "rules":
-            return parse_rules(v)
-        if opt.form == "dtype":
-            return parse_dtype(v)
-        if opt.form == "size":
-            parse_size(v, name)
-        if opt.form == "count":
-            return check_count(name, v, MAX_WORKERS)
-        return v
+        return v if v is None or opt is None else opt.form.after_json(name, v)
 
     def options(self) -> dict[str, Any]:
         """The conversion options that were given, as a job body's fields."""
@@ -100,32 +82,12 @@ class _Options(BaseModel):
 #: every spec option, and the ``workers`` shorthand of a body
 _OPTIONS = [*options(), ("workers", None, WORKERS)]
 _FORMS: dict[str, Option] = {name: opt for name, _, opt in _OPTIONS}
-_GLOB = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 def _json_field(default: Any, opt: Option) -> tuple[Any, Any]:
-    """A spec option as a JSON field: its type by form, its default (counts: unset, the
-    spec's default or derived from ``workers``), its help as the description."""
-    form, text = opt.form, opt.help
-    if form == "mesh":
-        return dict[str, StrictInt] | None, Field(default=None, description=text)
-    if form == "rules":
-        return dict[str, str | list[str]] | None, Field(default=None, description=text)
-    if form == "choice":
-        kind: Any = Literal[opt.choices]  # type: ignore[valid-type]
-        if default is None:
-            return kind | None, Field(default=None, description=text)
-        return kind, Field(default=str(default), description=text)
-    if form in ("flag", "negated"):
-        return StrictBool, Field(default=default, description=text)
-    if form == "list":
-        return list[_GLOB] | None, Field(default=None, max_length=1000, description=text)
-    if form == "count":
-        unset = "" if default is None else f" (default {default})"
-        return StrictInt | None, Field(default=None, description=text + unset)
-    if form == "size":
-        return str | None, Field(default=None, max_length=32, description=text)
-    return str | None, Field(default=None, min_length=1, max_length=1024, description=text)
+    """A spec option as a JSON field: its form says its type and default (counts: unset,
+    the spec's default or derived from ``workers``); its help is the description."""
+    return opt.form.json_field(default, opt.help)
 
 
 _FIELDS: dict[str, Any] = {name: _json_field(default, opt) for name, default, opt in _OPTIONS}

@@ -22,17 +22,18 @@ import reshard_svc
 from reshard_client.cli import app
 from reshard_server.schemas import JobCreate, PlanCreate, WatchCreate
 from reshard_svc.jobs.argv import build_parser, from_argv, to_argv
+from reshard_svc.jobs.forms import Choice, Count, Flag, Form
 from reshard_svc.jobs.spec import WORKERS, ConvertSpec, Format, Strategy, options
 
 LOCAL = {name for name, _, _ in options(placement=False)}
 ALL = {name for name, _, _ in options()}
 
 
-def cli_default(default: Any, form: str) -> Any:
+def cli_default(default: Any, form: Form) -> Any:
     """What a command line shows as the default: flags off, choices by value, else unset."""
-    if form in ("flag", "negated"):
+    if isinstance(form, Flag):  # Negated too
         return False
-    if form == "choice" and default is not None:
+    if isinstance(form, Choice) and default is not None:
         return str(default)
     return None
 
@@ -105,8 +106,8 @@ def test_the_worker_parser_takes_the_spec_options():
         action = actions[opt.param(name)]
         assert opt.flag(name) in action.option_strings, name
         assert action.help == opt.flag_help(), name
-        if opt.form == "choice":
-            assert tuple(action.choices) == opt.choices and action.default == default, name
+        if isinstance(opt.form, Choice):
+            assert tuple(action.choices) == opt.form.choices and action.default == default, name
     assert (
         not {a.dest for a in sub._actions}
         - {opt.param(n) for n, _, opt in options()}
@@ -120,7 +121,7 @@ def test_the_request_models_take_the_spec_options(model):
     for name, default, opt in options():
         f = fields[name]
         assert f.description is not None and f.description.startswith(opt.help), name
-        if opt.form == "count":
+        if isinstance(opt.form, Count):
             assert f.default is None, name  # unset: the spec's default, or from `workers`
         else:
             assert f.default == cli_default(default, opt.form) or f.default == default, name
@@ -174,3 +175,72 @@ specs = st.builds(
 def test_the_worker_argv_carries_every_option(spec):
     spec = dataclasses.replace(spec, keep_dtype=["*norm*"] if spec.dtype else None).checked()
     assert from_argv(to_argv(spec), spec.nodes, spec.workers_per_node) == spec
+
+
+def test_nothing_switches_on_a_form():
+    """Each place an option appears asks its form (``opt.form.argv(...)``...): no module
+    compares a form or tests its class, so adding a form is one new class in jobs/forms.py."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import reshard_client
+    import reshard_server
+
+    roots = [Path(p.__file__).parent for p in (reshard_svc, reshard_server, reshard_client)]
+    wrong = []
+    for root in roots:
+        for path in root.rglob("*.py"):
+            if path.name == "forms.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and re.search(r"\.form\b", ast.unparse(node.left)):
+                    wrong.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+                if (
+                    isinstance(node, ast.Call)
+                    and ast.unparse(node.func) == "isinstance"
+                    and re.search(r"\.form\b", ast.unparse(node.args[0]))
+                ):
+                    wrong.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_new_form_is_one_class_that_every_place_takes():
+    """A form defined here (a percentage) works on the worker's parser and argv, as a typer
+    option and as a JSON field, with nothing else changed."""
+    import argparse
+
+    from pydantic import create_model
+
+    from reshard_client.cli._app import _typer_param
+    from reshard_svc.errors import UsageError
+    from reshard_svc.jobs.forms import Form
+    from reshard_svc.jobs.spec import Option
+
+    class Percent(Form):
+        def check(self, name: str, value: Any) -> Any:
+            if not isinstance(value, int) or not 0 <= value <= 100:
+                raise UsageError(f"{name} {value!r} must be 0 to 100")
+            return value
+
+        def cli(self, default: Any) -> tuple[Any, Any, dict[str, Any]]:
+            return int | None, None, {"min": 0, "max": 100}
+
+        def json_field(self, default: Any, text: str) -> tuple[Any, Any]:
+            from pydantic import Field
+
+            return int | None, Field(default=None, ge=0, le=100, description=text)
+
+    opt = Option(help="how much", form=Percent())
+    parser = argparse.ArgumentParser()
+    opt.form.add_argument(parser, opt.flag("share"), None, opt.metavar, opt.flag_help())
+    assert parser.parse_args(opt.form.argv(opt.flag("share"), 40)).share == "40"
+    assert opt.form.check("share", 40) == 40
+    with pytest.raises(UsageError, match="share"):
+        opt.form.check("share", 140)
+    param = _typer_param("share", None, opt)
+    assert param.name == "share" and param.default is None
+    model = create_model("M", share=opt.form.json_field(None, opt.help))
+    assert model(share=40).share == 40
+    with pytest.raises(ValueError):
+        model(share=140)

@@ -75,27 +75,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _typer_param(name: str, default: Any, opt: Option) -> inspect.Parameter:
     """One ConvertSpec option as a typer option: flag, type, default and help from the spec."""
-    flag, form = opt.flag(name), opt.form
-    info: dict[str, Any] = {"help": opt.flag_help()}
+    kind, value, more = opt.form.cli(default)
+    info: dict[str, Any] = {"help": opt.flag_help(), **more}
     if opt.metavar:
         info["metavar"] = opt.metavar
-    kind: Any
-    value: Any
-    if form in ("flag", "negated"):
-        kind, value = bool, False
-    elif form == "list":
-        kind, value = list[str] | None, None
-    elif form == "count":
-        kind, value = int | None, None
-        info["min"] = 1
-    elif form == "choice" and default is not None:
-        kind, value = str, str(default)
-    else:
-        kind, value = str | None, None
     return inspect.Parameter(
         opt.param(name),
         inspect.Parameter.KEYWORD_ONLY,
-        annotation=Annotated[kind, typer.Option(flag, **info)],
+        annotation=Annotated[kind, typer.Option(opt.flag(name), **info)],
         default=value,
     )
 
