@@ -247,33 +247,7 @@ class WeightSync:
         :class:`~reshard_svc.errors.TransferAbortedError` and the push is over."""
         push = self._require("update", moved=False)
         plan = push.entry.plan
-        hold = len(plan.waves) <= 1
-        geometry = self._geometry
-        if geometry is None:  # pragma: no cover (begin() set it)
-            raise UsageError("update() before begin()")
-        records = self._records
-        landing = Landing(
-            plan,
-            push.local.dst,
-            push.entry.arena,
-            hold=hold,
-            records=records,
-            geometry=geometry,
-            version=push.version,
-        )
-        codec = (
-            Codec(
-                records=records,
-                agreed=push.agreed,
-                geometry=geometry,
-                landing=landing,
-                dtypes=push.entry.dtypes,
-                hold=hold,
-                verify=self._verify,
-            )
-            if self._delta
-            else None
-        )
+        landing, codec = self._destination(push)
         push.landing, push.codec = landing, codec
         comm = self._comm
         try:
@@ -347,6 +321,34 @@ class WeightSync:
         self._push = None
 
     # ---- bookkeeping
+
+    def _destination(self, push: Push) -> tuple[Landing, Codec | None]:
+        """Where a push lands on this rank, and how its pieces are encoded (deltas on)."""
+        geometry = self._geometry
+        if geometry is None:  # pragma: no cover (begin() set it)
+            raise UsageError("update() before begin()")
+        hold = len(push.entry.plan.waves) <= 1
+        landing = Landing(
+            push.entry.plan,
+            push.local.dst,
+            push.entry.arena,
+            hold=hold,
+            records=self._records,
+            geometry=geometry,
+            version=push.version,
+        )
+        if not self._delta:
+            return landing, None
+        codec = Codec(
+            records=self._records,
+            agreed=push.agreed,
+            geometry=geometry,
+            landing=landing,
+            dtypes=push.entry.dtypes,
+            hold=hold,
+            verify=self._verify,
+        )
+        return landing, codec
 
     def _require(self, what: str, *, moved: bool) -> Push:
         push = self._push
