@@ -58,6 +58,9 @@ _LAZY = {
     "load": "reshard_svc.runtime.load",
     "save": "reshard_svc.runtime.save",
     "LocalShard": "reshard_svc.runtime.state_dict",
+    "LocalShards": "reshard_svc.runtime.state_dict",
+    "FastTier": "reshard_svc.sessions.fast",
+    "RestoreInfo": "reshard_svc.sessions.fast",
     "PlanCache": "reshard_svc.plan.cache",
     "TransferResult": "reshard_svc.runtime.transfer",
     "transfer": "reshard_svc.runtime.transfer",
@@ -92,8 +95,9 @@ if TYPE_CHECKING:
     from reshard_svc.runtime.convert import ConvertResult, convert
     from reshard_svc.runtime.load import LoadStats, load
     from reshard_svc.runtime.save import save
-    from reshard_svc.runtime.state_dict import LocalShard
+    from reshard_svc.runtime.state_dict import LocalShard, LocalShards
     from reshard_svc.runtime.transfer import TransferResult, transfer
+    from reshard_svc.sessions.fast import FastTier, RestoreInfo
     from reshard_svc.sessions.manager import CheckpointManager
     from reshard_svc.sessions.sync import SyncResult, WeightSync
 
@@ -113,6 +117,9 @@ __all__ = [
     "LayoutError",
     "LoadStats",
     "LocalShard",
+    "LocalShards",
+    "FastTier",
+    "RestoreInfo",
     "Mesh",
     "MissingFileError",
     "NotACheckpointError",

@@ -53,6 +53,7 @@ __all__ = [
     "prepare_save",
     "save",
     "write_and_commit",
+    "write_file",
     "write_files",
 ]
 
@@ -74,7 +75,7 @@ def box_bands(view: torch.Tensor) -> list[torch.Tensor]:
     return [view[i : i + step] for i in range(0, view.shape[0], step)]
 
 
-def _write_file(
+def write_file(
     staging: Storage,
     spec: FileSpec,
     placed: dict[str, Placed],
@@ -233,7 +234,7 @@ def write_files(prep: PreparedSave, rank: int, staging: Storage | None = None) -
     crcs = {(n, b): 0 for n, bs in prep.replicas.items() for b in bs if (n, b) in written}
     with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
         files = [
-            _write_file(staging, spec, prep.placed, background, prep.checksum, crcs)
+            write_file(staging, spec, prep.placed, background, prep.checksum, crcs)
             for spec in prep.plan.files_of(rank)
         ]
     held_only = {n: [b for b in bs if (n, b) not in written] for n, bs in prep.replicas.items()}

@@ -21,7 +21,7 @@ import torch
 from reshard_svc.errors import StateDictError
 from reshard_svc.runtime import _compat
 
-__all__ = ["Leaf", "LocalShard", "flatten"]
+__all__ = ["Leaf", "LocalShard", "LocalShards", "flatten"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,29 @@ class LocalShard:
         return out
 
 
+@dataclass(frozen=True)
+class LocalShards:
+    """Several boxes of one global tensor held by one rank, each a :class:`LocalShard`
+    (the parts of a checkpoint a rank restores from, a strided engine buffer): accepted
+    wherever a :class:`LocalShard` is."""
+
+    shards: tuple[LocalShard, ...]
+
+    def __post_init__(self) -> None:
+        shards = tuple(self.shards)
+        if not shards or not all(isinstance(s, LocalShard) for s in shards):
+            raise StateDictError("LocalShards holds one or more LocalShard")
+        first = shards[0]
+        for s in shards[1:]:
+            if s.global_shape != first.global_shape or s.tensor.dtype != first.tensor.dtype:
+                raise StateDictError(
+                    "LocalShards: every shard is of one tensor (one global shape and dtype), "
+                    f"got {first.global_shape}/{first.tensor.dtype} and "
+                    f"{s.global_shape}/{s.tensor.dtype}"
+                )
+        object.__setattr__(self, "shards", shards)
+
+
 def _ints(what: str, value: Any) -> tuple[int, ...]:
     try:
         out = tuple(int(v) for v in value)
@@ -116,6 +139,8 @@ class Leaf:
     def kind(self) -> str:
         if isinstance(self.value, LocalShard):
             return "local"
+        if isinstance(self.value, LocalShards):
+            return "locals"
         if _compat.is_dtensor(self.value):
             return "dtensor"
         if _compat.is_sharded_tensor(self.value):

@@ -28,7 +28,7 @@ from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.runtime import _compat
 from reshard_svc.runtime.buffers import tensor_bytes
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.state_dict import Leaf, LocalShard
+from reshard_svc.runtime.state_dict import Leaf, LocalShard, LocalShards
 
 __all__ = [
     "Gathered",
@@ -83,6 +83,21 @@ def describe(leaf: Leaf) -> Placed:
         if t.numel():
             placed.local[Box(shard.offsets, tuple(t.shape))] = t
         placed.padding = shard.padding()
+        return placed
+    if leaf.kind == "locals":
+        shards: LocalShards = value
+        first = shards.shards[0]
+        placed = Placed(
+            name=leaf.name,
+            dtype=first.tensor.dtype,
+            shape=first.global_shape,
+            layout=None,
+            pad=first.pad,
+        )
+        for s in shards.shards:
+            if s.data.numel():
+                placed.local[Box(s.offsets, tuple(s.data.shape))] = s.data
+            placed.padding += s.padding()
         return placed
     if leaf.kind == "dtensor":
         layout = _compat.layout_of(value)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from reshard_svc.errors import (
     CheckpointError,
     SaveFailedError,
+    StateDictError,
     StorageError,
     UsageError,
 )
@@ -57,6 +58,8 @@ from reshard_svc.runtime.async_save import AsyncSaver
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.load import load as load_checkpoint
 from reshard_svc.runtime.save import save as save_checkpoint
+from reshard_svc.runtime.state_dict import flatten
+from reshard_svc.sessions.fast import FastSaves, FastTier, RestoreInfo
 from reshard_svc.storage.leases import Lease
 
 __all__ = ["CheckpointManager", "StepInfo", "list_steps"]
@@ -85,6 +88,10 @@ class CheckpointManager:
             retention until released (an export still reading them):
             ``reshard_client.ExportOnCommit`` asks a reshard-server to convert every K-th
             step.
+        fast: a :class:`~reshard_svc.FastTier`: every ``fast.every`` steps each rank's
+            shards also go to its node's fast path and to ``copies - 1`` other nodes;
+            :meth:`load` resumes from the newest whole fast step when it is newer than the
+            persistent root's (:mod:`reshard_svc.sessions.fast`).
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         checksum: str = "crc32c",
         on_commit: Callable[[int, str], Any] | None = None,
+        fast: FastTier | None = None,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise UsageError(f"interval must be a positive integer, got {interval!r}")
@@ -114,6 +122,10 @@ class CheckpointManager:
         self.checksum = checksum
         self.on_commit = on_commit
         self.should_stop = False
+        #: where the last :meth:`load` came from (step, tier, bytes by source, seconds)
+        self.last_restore: RestoreInfo | None = None
+        if fast is not None and not isinstance(fast, FastTier):
+            raise UsageError(f"fast must be a reshard_svc.FastTier, got {type(fast).__name__}")
         #: how long the last due ``save`` waited for the previous save to commit (seconds)
         self.last_wait_s = 0.0
         self._signalled: int | None = None
@@ -127,6 +139,13 @@ class CheckpointManager:
         self.comm = Comm(self._group)
         self._lease: Lease | None = None
         self.comm.run_everywhere(f"CheckpointManager({root!r}): taking the root", self._take_root)
+        self._fast: FastSaves | None = None
+        if fast is not None:
+            try:
+                self._fast = FastSaves(fast, self.comm, process_group)
+            except BaseException:
+                self._release_root()
+                raise
         self._saver = AsyncSaver(process_group) if async_save else None
         # commit, then retention: the pending save is done when both are
         self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
@@ -192,6 +211,10 @@ class CheckpointManager:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
         stop = self._agree()
         due = force or stop or step % self.interval == 0
+        if self._fast is not None and (stop or self._fast.due(step)):
+            self._fast.save(step, self._with_step(step, state))
+            if stop:
+                self._fast.wait()  # preemption: the fast copy first (seconds), then the root
         if not due:
             return False
         if stop or self._saver is None:
@@ -303,18 +326,61 @@ class CheckpointManager:
     def load(
         self, state: Mapping[str, Any], *, step: int | None = None, strict: bool = True
     ) -> int | None:
-        """Fill ``state`` (any layout) from ``step``, or by default from the newest
-        committed step whose index parses (half-written or unreadable steps are skipped
-        with a warning). Returns the step loaded, or None when there is none (a fresh
-        start). Called by every rank."""
+        """Fill ``state`` (any layout) from ``step``, or by default from the newest step:
+        the newest whole fast step when there is a fast tier and it is newer than the
+        persistent root's, else the newest committed persistent step whose index parses
+        (half-written or unreadable steps are skipped with a warning). Returns the step
+        loaded, or None when there is none (a fresh start); :attr:`last_restore` says from
+        where. Called by every rank."""
         self._check_open()
+        started = time.perf_counter()
         chosen, index = self._pick(step)
+        if self._fast is not None and step is None:
+            choice = self._fast.choose(newer_than=chosen)
+            if choice is not None:
+                self._fast.forget_after(choice.step)
+                view = self._view(state, choice.step, choice.names | set(choice.extras))
+                tensors = self._fill_values(view, choice.extras, choice.names, strict)
+                self.last_restore = self._fast.fill(choice, tensors, started)
+                self._write_back(state, view)
+                return choice.step
         if chosen is None or index is None:
+            self.last_restore = RestoreInfo(
+                step=None,
+                tier="none",
+                bytes_local=0,
+                bytes_peer=0,
+                bytes_persistent=0,
+                seconds=time.perf_counter() - started,
+            )
             return None
-        uri = self._step_uri(chosen)
+        if self._fast is not None:
+            self._fast.forget_after(chosen)
+        view = self._view(state, chosen, {*index.tensors, *index.extras})
+        stats = load_checkpoint(
+            view,
+            self._step_uri(chosen),
+            process_group=self.process_group,
+            strict=strict,
+            storage_options=self.storage_options,
+        )
+        self._write_back(state, view)
+        self.last_restore = RestoreInfo(
+            step=chosen,
+            tier="persistent",
+            bytes_local=0,
+            bytes_peer=0,
+            bytes_persistent=stats.bytes_read,
+            seconds=time.perf_counter() - started,
+        )
+        return chosen
+
+    def _view(self, state: Mapping[str, Any], step: int, names: set[str]) -> dict[str, Any]:
+        """What to load of ``state``: its keys, with this rank's ``rank_local`` values under
+        the names it saved them at (a value it never saved keeps what was passed in)."""
         view: dict[str, Any] = {k: v for k, v in state.items() if k not in self.rank_local}
         mine = f"{RANK_LOCAL}.{self.comm.rank}."
-        have = {n for n in (*index.tensors, *index.extras) if n.startswith(mine)}
+        have = {n for n in names if n.startswith(mine)}
         local: dict[str, Any] = {}
         for key in self.rank_local:
             if key not in state:
@@ -325,26 +391,52 @@ class CheckpointManager:
                 logger.warning(
                     "step %d has no %r saved by rank %d (saved at another world size?): "
                     "keeping the value passed in",
-                    chosen,
+                    step,
                     key,
                     self.comm.rank,
                 )
         if local:
             view[RANK_LOCAL] = {str(self.comm.rank): local}
-        load_checkpoint(
-            view,
-            uri,
-            process_group=self.process_group,
-            strict=strict,
-            storage_options=self.storage_options,
-        )
+        return view
+
+    def _fill_values(
+        self, view: dict[str, Any], extras: Mapping[str, Any], names: set[str], strict: bool
+    ) -> dict[str, Any]:
+        """Set ``view``'s JSON values from a fast step's and return its tensors by name (what
+        the step does not hold is refused on every rank with ``strict``, else skipped)."""
+
+        def split() -> dict[str, Any]:
+            tensors: dict[str, Any] = {}
+            missing = []
+            for name, leaf in flatten(view).items():
+                if leaf.kind == "extra":
+                    if name in extras:
+                        leaf.parent[leaf.key] = extras[name]
+                    elif not (isinstance(leaf.value, dict) and not leaf.value):
+                        missing.append(name)
+                elif name in names:
+                    tensors[name] = leaf.value
+                else:
+                    missing.append(name)
+            if missing and strict:
+                raise StateDictError(
+                    f"the fast step holds no {', '.join(repr(m) for m in missing[:5])}: pass "
+                    "strict=False to load the rest"
+                )
+            return tensors
+
+        return self.comm.run_everywhere("fast tier: matching keys", split)[0]
+
+    @staticmethod
+    def _write_back(state: Mapping[str, Any], view: dict[str, Any]) -> None:
         target: Any = state
+        rank_local = view.get(RANK_LOCAL, {})
         for key, value in view.items():
             if key != RANK_LOCAL:
                 target[key] = value
-        for key, value in (view.get(RANK_LOCAL, {}).get(str(self.comm.rank), {})).items():
-            target[key] = value
-        return chosen
+        for values in rank_local.values():
+            for key, value in values.items():
+                target[key] = value
 
     def _pick(self, step: int | None) -> tuple[int | None, CheckpointIndex | None]:
         """Rank 0 finds the step to load and checks its index parses; every rank gets it."""
@@ -387,9 +479,12 @@ class CheckpointManager:
     # ---- lifetime
 
     def wait(self) -> None:
-        """Block until the save in flight has committed (its failure raised on every rank)."""
+        """Block until the saves in flight have finished: the persistent one committed (its
+        failure raised on every rank), and the fast one (a failure there is a warning)."""
         self._check_open()
         self._finish_pending()
+        if self._fast is not None:
+            self._fast.wait()
 
     def close(self) -> None:
         """Wait for the save in flight, then release the root (and the signal handlers)."""
@@ -403,13 +498,25 @@ class CheckpointManager:
                 signal.signal(sig, previous)
             if self._saver is not None:
                 self._saver.close()
+            if self._fast is not None:
+                self._fast.close()
             self._post.shutdown(wait=True)
-            with self._retention:
-                if self._lease is not None:
-                    self._lease.release()
+            self._release_root()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
+
+    def _release_root(self) -> None:
+        with self._retention:
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+
+    def fast_steps(self) -> list[int]:
+        """The committed fast steps this rank's node holds, oldest first."""
+        if self._fast is None:
+            return []
+        return sorted({s.step for s in self._fast.steps() if s.committed})
 
     def __enter__(self) -> CheckpointManager:
         return self

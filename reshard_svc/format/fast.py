@@ -1,0 +1,162 @@
+"""The fast tier on a node's local path (tmpfs): fast steps, their parts and commit records.
+
+One node's fast path holds, per fast step of a run, the *parts* its ranks wrote and the
+copies of other nodes' parts it received::
+
+    /dev/shm/reshard/run-7/
+        step-0000000120.3f2a9c1d/          a fast step of run 3f2a9c1d...
+            part-00003/                    rank 3's shards: our format (safetensors, a
+                reshard.index.json           partial index of its boxes, block CRC32Cs)
+            part-00001/                    a copy of rank 1's part (rank 1 is on another node)
+            commit.json                    the step counts: every part has all its copies
+
+A part is published like any checkpoint of ours (staging beside it, index last, rename),
+so a part folder with an index is whole. ``commit.json`` is written on every node only
+after every rank agreed that every part has all its copies; a step folder without it is
+an unfinished save, never read. The run's token in the folder name keeps two runs that
+reach the same step number (a job resumed from an older step) apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard_svc.errors import CheckpointError, StorageError, UsageError
+from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.storage import open_storage
+from reshard_svc.storage.base import Target
+
+__all__ = [
+    "COMMIT_RECORD",
+    "FastStep",
+    "fast_steps",
+    "fast_step_name",
+    "part_name",
+    "read_part",
+    "remove_fast_step",
+    "write_commit",
+]
+
+logger = logging.getLogger(__name__)
+
+COMMIT_RECORD = "commit.json"
+_STEP = re.compile(r"step-(\d{1,18})\.([0-9a-f]{8,32})")
+_PART = re.compile(r"part-(\d{5,})")
+
+
+def fast_step_name(step: int, run: str) -> str:
+    return f"step-{step:010d}.{run}"
+
+
+def part_name(rank: int) -> str:
+    return f"part-{rank:05d}"
+
+
+@dataclass(kw_only=True)
+class FastStep:
+    """One fast step folder on this node: its step and run, the commit record (None while
+    unfinished) and the parts it holds whole (origin rank -> folder)."""
+
+    step: int
+    run: str
+    folder: str
+    record: dict[str, Any] | None
+    parts: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def committed(self) -> bool:
+        return self.record is not None
+
+
+def local_root(path: str) -> str:
+    """The fast path as a local folder (a plain path or ``file://``)."""
+    if not isinstance(path, str) or not path:
+        raise UsageError(f"FastTier path must be a local folder, got {path!r}")
+    if "://" in path and not path.startswith("file://"):
+        raise UsageError(
+            f"FastTier path {path!r} must be a local folder on each node (tmpfs such as "
+            "/dev/shm/...), not a remote store: the persistent root is the remote tier"
+        )
+    return os.path.abspath(path.removeprefix("file://"))
+
+
+def fast_steps(path: str) -> list[FastStep]:
+    """Every fast step folder under ``path``, oldest first (unreadable records count as
+    unfinished)."""
+    root = local_root(path)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = _STEP.fullmatch(name)
+        if m is None:
+            continue
+        folder = os.path.join(root, name)
+        record = None
+        try:
+            with open(os.path.join(folder, COMMIT_RECORD), "rb") as f:
+                loaded = json.loads(f.read())
+            record = loaded if isinstance(loaded, dict) else None
+        except (OSError, ValueError):
+            record = None
+        parts = {}
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            entries = []
+        for entry in entries:
+            p = _PART.fullmatch(entry)
+            if p is not None and os.path.exists(os.path.join(folder, entry, INDEX_NAME)):
+                parts[int(p.group(1))] = os.path.join(folder, entry)
+        out.append(
+            FastStep(
+                step=int(m.group(1)), run=m.group(2), folder=folder, record=record, parts=parts
+            )
+        )
+    return sorted(out, key=lambda s: (s.step, s.run))
+
+
+def part_target(step_folder: str, rank: int) -> Target:
+    """Where origin rank ``rank``'s part of a fast step is published."""
+    return open_storage(os.path.join(step_folder, part_name(rank)), {"sync_files": False})
+
+
+def read_part(folder: str) -> CheckpointIndex:
+    """A part's index (it covers only the boxes its rank held)."""
+    storage = open_storage(folder, {"sync_files": False})
+    return CheckpointIndex.loads(storage.read(INDEX_NAME), f"{folder}/{INDEX_NAME}")
+
+
+def write_commit(step_folder: str, record: Mapping[str, Any]) -> None:
+    """The step counts on this node (every rank of a node may write the same record)."""
+    tmp = os.path.join(step_folder, f".{COMMIT_RECORD}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(dict(record), f)
+        os.replace(tmp, os.path.join(step_folder, COMMIT_RECORD))
+    except OSError as e:
+        raise StorageError(f"could not write the fast step's record in {step_folder}: {e}") from e
+
+
+def remove_fast_step(step: FastStep) -> None:
+    """Remove a fast step folder of ours (named by :func:`fast_step_name`): its record
+    first, so nobody reads a step being removed."""
+    if _STEP.fullmatch(os.path.basename(step.folder)) is None:  # pragma: no cover
+        raise CheckpointError(f"{step.folder} is not a fast step folder")
+    try:
+        os.remove(os.path.join(step.folder, COMMIT_RECORD))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("could not remove %s: %s", step.folder, e)
+        return
+    shutil.rmtree(step.folder, ignore_errors=True)
