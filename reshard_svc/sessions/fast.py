@@ -226,7 +226,14 @@ class FastSaves:
         self._global = dist.get_process_group_ranks(self._group) if self._group is not None else [0]
         self._bg = Comm(self._group)  # the background thread's agreements
         self._lease: Lease | None = None
-        comm.run_everywhere(f"FastTier({tier.path!r}): taking the fast path", self._take)
+        try:
+            comm.run_everywhere(f"FastTier({tier.path!r}): taking the fast path", self._take)
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+            raise
         self._snapshot = _Snapshot()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-fast")
         self._pending: Future[bool] | None = None

@@ -139,17 +139,22 @@ class CheckpointManager:
         self.comm = Comm(self._group)
         self._lease: Lease | None = None
         self.comm.run_everywhere(f"CheckpointManager({root!r}): taking the root", self._take_root)
-        self._fast: FastSaves | None = None
-        if fast is not None:
-            try:
-                self._fast = FastSaves(fast, self.comm, process_group)
-            except BaseException:
-                self._release_root()
-                raise
         self._saver = AsyncSaver(process_group) if async_save else None
         # commit, then retention: the pending save is done when both are
         self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
         self._retention = threading.Lock()
+        self._fast: FastSaves | None = None
+        if fast is not None:
+            try:
+                self._fast = FastSaves(fast, self.comm, process_group)
+            except BaseException:  # nothing of this manager stays: the root is free again
+                if self._saver is not None:
+                    self._saver.close()
+                self._post.shutdown(wait=True)
+                self._release_root()
+                if self._group is not None:
+                    dist.destroy_process_group(self._group)
+                raise
         self._previous_handlers: dict[int, Any] = {}
         for sig in save_on_signals:
             self._install(sig)
