@@ -86,3 +86,72 @@ def test_a_flipped_bit_in_one_copy_is_skipped_for_the_other(trained, tmp_path):
     for r in got.values():
         assert (r["step"], r["tier"], r["bad"]) == (6, "fast", []), r
         assert any("rank 0's part" in s and "CRC32C" in s for s in r["skipped"]), r
+
+
+def test_a_worker_killed_mid_training_resumes_from_the_fast_tier_and_ends_as_if_never_killed(
+    tmp_path,
+):
+    import random
+
+    from safetensors.torch import load_file
+
+    kill_at = random.randint(2, 6)
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+
+    def paths(base):
+        return [str(base / "node-a"), str(base / "node-b")]
+
+    run(jobs.train_until, 4, str(clean / "root"), paths(clean), NODES, 8, None, str(clean / "f"))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with pytest.raises(ChildFailedError):  # SIGKILL of rank 1: torchrun's agent ends the job
+        run(jobs.train_until, 4, str(killed / "root"), paths(killed), NODES, 8, kill_at, "x")
+    starts = run(
+        jobs.train_until, 4, str(killed / "root"), paths(killed), NODES, 8, None, str(killed / "f")
+    )
+    assert set(starts.values()) <= {kill_at, kill_at + 1}, (kill_at, starts)  # a fast step
+    want, got = load_file(str(clean / "f")), load_file(str(killed / "f"))
+    assert want.keys() == got.keys()
+    assert [k for k in want if not jobs._bitwise(got[k], want[k])] == [], kill_at
+
+
+def _launch(args) -> None:
+    run(jobs.save_until_killed, 2, *args)
+
+
+def test_kill_9_at_random_points_of_fast_saves_always_resumes_a_whole_step(tmp_path):
+    """Ten times: a 2-node job saving a fast step every step is killed (every rank, SIGKILL)
+    at a random moment; the next launch loads a whole step, bitwise, and after its first
+    save each node holds at most the two newest fast steps and nothing unfinished."""
+    import json
+    import multiprocessing
+    import random
+    import time
+
+    import psutil
+
+    root, out = str(tmp_path / "root"), tmp_path / "out"
+    out.mkdir()
+    paths = [str(tmp_path / "node-a"), str(tmp_path / "node-b")]
+    ctx = multiprocessing.get_context("spawn")
+    loaded = []
+    for launch in range(11):
+        proc = ctx.Process(target=_launch, args=((root, paths, [0, 1], str(out), launch),))
+        proc.start()
+        records = [out / f"launch-{launch}-rank-{r}.json" for r in range(2)]
+        deadline = time.time() + 180
+        while not all(r.exists() for r in records) and time.time() < deadline:
+            time.sleep(0.1)
+        assert all(r.exists() for r in records), f"launch {launch} never saved"
+        time.sleep(random.uniform(0, 1.5))
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        proc.kill()
+        proc.join(timeout=60)
+        for r in records:
+            got = json.loads(r.read_text())
+            assert got["ok"] and got["unfinished"] == [], (launch, got)
+            assert len(got["committed"]) <= 2, (launch, got)
+            assert launch == 0 or got["tier"] == "fast", (launch, got)
+        loaded.append(got["step"])
+    assert loaded[0] is None and loaded[1:] == sorted(loaded[1:]) and loaded[-1] > 10, loaded

@@ -81,3 +81,75 @@ def _bitwise(a: Any, b: Any) -> bool:
         ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
     return torch.equal(a, b)
+
+
+def save_until_killed(root: str, paths: list[str], nodes: list[int], out: str, launch: int) -> None:
+    """Resume (checking the state bitwise against the step it says), then save a
+    step-valued state every step, fast every step, until killed; after the first fast save
+    of this launch each rank records what its node's fast path holds."""
+    import json
+
+    import torch
+
+    from reshard_svc import CheckpointManager
+    from reshard_svc.format.fast import fast_steps
+    from tests.support.manager_jobs import full_value_of, value_of
+
+    rank = dist.get_rank()
+    state = value_of(-1)
+    mgr = CheckpointManager(root, interval=1000, fast=_tier(paths, nodes))
+    step = mgr.load(state)
+    whole = state["w"].full_tensor()
+    ok = step is None or (
+        torch.equal(whole, full_value_of(step)["w"]) and state["meta"]["step"] == step
+    )
+    start = (step or 0) + 1
+    mgr.save(start, value_of(start))
+    mgr.wait()
+    held = fast_steps(paths[nodes[rank]])
+    record = {
+        "step": step,
+        "ok": ok,
+        "tier": mgr.last_restore.tier if mgr.last_restore else None,
+        "committed": [s.step for s in held if s.committed],
+        "unfinished": [s.step for s in held if not s.committed],
+    }
+    path = os.path.join(out, f"launch-{launch}-rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+    for s in range(start + 1, start + 100_000):
+        mgr.save(s, value_of(s))
+
+
+def train_until(
+    root: str, paths: list[str], nodes: list[int], steps: int, kill_at: int | None, final: str
+) -> int:
+    """FSDP × TP with AdamW (fast every step, persistent never): resume, train to
+    ``steps``; rank 1 kills itself with SIGKILL right after ``kill_at``'s save (its fast
+    step may or may not have committed). Rank 0 writes the final state to ``final``."""
+    import signal
+
+    from reshard_svc import CheckpointManager
+
+    model, optim, dp_mesh = training.build(2, 2)
+    mgr = CheckpointManager(root, interval=1000, fast=_tier(paths, nodes))
+    training.train(model, optim, range(1), dp_mesh)  # optimizer state to load into
+    state = {**_state(model, optim), "data": {"next_batch": 1}}
+    loaded = mgr.load(state)
+    if loaded is None:  # a fresh start: the untouched model and optimizer
+        model, optim, dp_mesh = training.build(2, 2)
+    start = (loaded or 0) + 1
+    if state["data"]["next_batch"] != start:
+        raise RuntimeError(f"resumed at {start} but the data position says {state['data']}")
+    for step in range(start, steps + 1):
+        training.train(model, optim, range(step, step + 1), dp_mesh)
+        mgr.save(step, {**_state(model, optim), "data": {"next_batch": step + 1}})
+        if step == kill_at and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    mgr.wait()
+    full = full_state(_state(model, optim))
+    if dist.get_rank() == 0:
+        save_file(full, final)
+    mgr.close()
+    return start
