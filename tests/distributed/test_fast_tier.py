@@ -155,3 +155,18 @@ def test_kill_9_at_random_points_of_fast_saves_always_resumes_a_whole_step(tmp_p
             assert launch == 0 or got["tier"] == "fast", (launch, got)
         loaded.append(got["step"])
     assert loaded[0] is None and loaded[1:] == sorted(loaded[1:]) and loaded[-1] > 10, loaded
+
+
+@pytest.mark.s3
+def test_with_the_root_on_s3_a_lost_node_reads_nothing_from_it_and_a_lost_shard_does(s3, tmp_path):
+    root = f"{s3}/run"
+    paths = [str(tmp_path / "node-a"), str(tmp_path / "node-b")]
+    run(jobs.save_values, 2, root, paths, [0, 1], 6)
+    shutil.rmtree(paths[1])  # node B lost: its part survives as node A's copy
+    got = run(jobs.load_values, 2, root, paths, [0, 0])
+    assert all(r == {"step": 6, "ok": True, "tier": "fast", "persistent": 0} for r in got.values())
+    for step in (5, 6):  # and now the last copy of rank 1's part
+        shutil.rmtree(os.path.join(_step_folder(paths[0], step), "part-00001"))
+    got = run(jobs.load_values, 2, root, paths, [0, 0])
+    for r in got.values():
+        assert (r["step"], r["ok"], r["tier"]) == (4, True, "persistent") and r["persistent"] > 0

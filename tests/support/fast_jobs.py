@@ -153,3 +153,31 @@ def train_until(
         save_file(full, final)
     mgr.close()
     return start
+
+
+def save_values(root: str, paths: list[str], nodes: list[int], steps: int) -> None:
+    """A step-valued state saved every step (fast every step, the root every 4); ends as a
+    kill would."""
+    from reshard_svc import CheckpointManager
+    from tests.support.manager_jobs import value_of
+
+    mgr = CheckpointManager(root, interval=4, fast=_tier(paths, nodes))
+    for step in range(1, steps + 1):
+        mgr.save(step, value_of(step))
+    mgr.wait()
+
+
+def load_values(root: str, paths: list[str], nodes: list[int]) -> dict[str, Any]:
+    """``mgr.load`` of a step-valued state: the step, whether every byte is that step's,
+    and where the bytes came from."""
+    import torch
+
+    from reshard_svc import CheckpointManager
+    from tests.support.manager_jobs import full_value_of, value_of
+
+    state = value_of(-1)
+    with CheckpointManager(root, fast=_tier(paths, nodes)) as mgr:
+        step = mgr.load(state)
+        info = mgr.last_restore
+    ok = step is not None and torch.equal(state["w"].full_tensor(), full_value_of(step)["w"])
+    return {"step": step, "ok": ok, "tier": info.tier, "persistent": info.bytes_persistent}
