@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,57 @@ def test_readme_stages_script_saves_per_stage_keys_and_loads_elsewhere(tmp_path)
     assert (
         len(json.loads((tmp_path / "stages-ep" / "reshard.index.json").read_text())["tensors"]) == 4
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_docs_fast_tier_resumes_a_lost_node_from_peer_copies(tmp_path):
+    """The training page's fast-tier script as 2 nodes × 2 ranks (two torchrun agents,
+    each node its own FAST_DIR), then node 1's fast path wiped and the job resumed on
+    node 0 alone at 2 ranks: from the fast tier, no byte from the root."""
+    from reshard_svc._process import free_port
+
+    script = tmp_path / "fast.py"
+    script.write_text(readme_code("fast-tier"))
+    root, fast = tmp_path / "ckpt", [tmp_path / "node-0", tmp_path / "node-1"]
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={n}",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(script),
+            ],
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "CKPT_DIR": str(root),
+                "FAST_DIR": str(fast[n]),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
+    for a in agents:
+        _, err = a.communicate(timeout=300)
+        assert a.returncode == 0, err[-4000:]
+    # 20 steps: the root holds 8 and 16, each node the fast steps 15 and 20
+    assert sorted(os.listdir(root)) == ["step-0000000008", "step-0000000016"]
+    shutil.rmtree(fast[1])
+    r = torchrun(script, 2, CKPT_DIR=str(root), FAST_DIR=str(fast[0]))
+    lines = re.findall(
+        r"rank (\d) restored step (\d+) from (\w+): local (\d+) peer (\d+) persistent (\d+)",
+        r.stdout,
+    )
+    assert len(lines) == 2, r.stdout
+    for _, step, tier, local, peer, persistent in lines:  # node 0 holds node 1's copies
+        assert (step, tier, peer, persistent) == ("20", "fast", "0", "0"), r.stdout
+        assert int(local) > 0, r.stdout
