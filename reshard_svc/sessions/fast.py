@@ -436,8 +436,8 @@ class FastSaves:
     # ---- restoring
 
     def choose(self, newer_than: int | None) -> Choice | None:
-        """Every rank: the newest whole fast step newer than ``newer_than`` (the persistent
-        root's newest), with which rank reads which part, every block of those parts
+        """Every rank: the newest whole fast step not older than ``newer_than`` (the
+        persistent root's newest: the fast tier wins a tie), with which rank reads which part, every block of those parts
         checked (a bad copy is skipped for another, named in one warning); None when no
         fast step qualifies."""
         bad: set[tuple[int, str, int]] = set()  # (node, step folder, origin rank)
@@ -581,10 +581,11 @@ class Choice:
 def _choose(
     reports: list[dict[str, Any]], bad: set[tuple[int, str, int]], newer_than: int | None
 ) -> Choice | None:
-    """The newest committed fast step (newer than ``newer_than``) whose every byte has a
+    """The newest committed fast step (not older than ``newer_than``) whose every byte has a
     good copy on some node, and which rank reads which part. Each distinct box is read
-    once: a part is read only when it holds a box no earlier part holds, on the least
-    loaded rank of a node that has it."""
+    once: a part is read only when it holds a box no earlier part holds, by the rank of
+    its number when that rank's node has it, else by the least loaded rank of a node that
+    has it."""
     holders: dict[str, dict[int, list[int]]] = {}  # folder -> origin -> ranks that may read it
     records: dict[str, dict[str, Any]] = {}
     parts: dict[str, dict[int, dict[str, Any]]] = {}
@@ -600,7 +601,7 @@ def _choose(
     candidates = []
     for name, record in records.items():
         step = int(record.get("step", -1))
-        if (newer_than is None or step > newer_than) and _whole(record, parts.get(name, {})):
+        if (newer_than is None or step >= newer_than) and _whole(record, parts.get(name, {})):
             candidates.append((step, float(record.get("time", 0)), name))
     if not candidates:
         return None
@@ -619,7 +620,10 @@ def _choose(
         if not boxes - covered:
             continue  # replicas of what earlier parts hold: not read
         covered |= boxes
-        rank = min(holders[name][origin], key=lambda r: (load[r], r))
+        # the rank of the same number reads its own part when its node has it (a restart
+        # at the same size then moves nothing); else the least loaded rank that may
+        can = holders[name][origin]
+        rank = origin if origin in can else min(can, key=lambda r: (load[r], r))
         load[rank] += int(part["bytes"])
         readers[origin] = rank
     return Choice(step=step, name=name, readers=readers, names=names, extras=extras)

@@ -90,8 +90,8 @@ class CheckpointManager:
             step.
         fast: a :class:`~reshard_svc.FastTier`: every ``fast.every`` steps each rank's
             shards also go to its node's fast path and to ``copies - 1`` other nodes;
-            :meth:`load` resumes from the newest whole fast step when it is newer than the
-            persistent root's (:mod:`reshard_svc.sessions.fast`).
+            :meth:`load` resumes from the newest whole fast step when it is not older than
+            the persistent root's (:mod:`reshard_svc.sessions.fast`).
     """
 
     def __init__(
@@ -332,8 +332,8 @@ class CheckpointManager:
         self, state: Mapping[str, Any], *, step: int | None = None, strict: bool = True
     ) -> int | None:
         """Fill ``state`` (any layout) from ``step``, or by default from the newest step:
-        the newest whole fast step when there is a fast tier and it is newer than the
-        persistent root's, else the newest committed persistent step whose index parses
+        the newest whole fast step when there is a fast tier and it is not older than the
+        persistent root's newest, else the newest committed persistent step whose index parses
         (half-written or unreadable steps are skipped with a warning). Returns the step
         loaded, or None when there is none (a fresh start); :attr:`last_restore` says from
         where. Called by every rank."""
