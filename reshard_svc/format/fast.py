@@ -74,6 +74,21 @@ class FastStep:
     def committed(self) -> bool:
         return self.record is not None
 
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.folder)
+
+    def nbytes(self) -> int:
+        """Bytes of the folder's files (its parts, their copies and the record)."""
+        total = 0
+        for dirpath, _, files in os.walk(self.folder):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, f))
+                except OSError:
+                    pass  # removed meanwhile
+        return total
+
 
 def local_root(path: str) -> str:
     """The fast path as a local folder (a plain path or ``file://``)."""

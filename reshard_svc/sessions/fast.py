@@ -512,7 +512,7 @@ class FastSaves:
                     },
                     "extras": index.extras,
                 }
-            out["steps"][os.path.basename(s.folder)] = {"record": s.record, "parts": parts}
+            out["steps"][s.name] = {"record": s.record, "parts": parts}
         return out
 
     def _check_parts(self, name: str, origins: list[int]) -> list[tuple[int, str]]:

@@ -51,6 +51,7 @@ from reshard_svc.errors import (
     UsageError,
 )
 from reshard_svc.format.collect import collect_lease_debris
+from reshard_svc.format.fast import fast_steps
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.format.steps import StepFolders
 from reshard_svc.plan.retention import check_policy, retained
@@ -545,8 +546,11 @@ class StepInfo:
     #: seconds since its last change (the index, or the newest file), when the store says
     age_s: float | None
     #: what the retention policy does with it: ``keep``, ``delete`` (also a partial step
-    #: whose retirement was interrupted: the next retention finishes it), or None (partial)
+    #: whose retirement was interrupted: the next retention finishes it), or None (partial,
+    #: or the fast tier's, which keeps its newest two itself)
     policy: str | None
+    #: ``persistent`` (under the root) or ``fast`` (in a node's fast path)
+    tier: str = "persistent"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -556,6 +560,7 @@ class StepInfo:
             "bytes": self.bytes,
             "age_s": self.age_s,
             "policy": self.policy,
+            "tier": self.tier,
         }
 
 
@@ -566,13 +571,28 @@ def list_steps(
     keep_last: int | None = None,
     keep_every: int | None = None,
     sizes: bool = True,
+    fast: str | None = None,
 ) -> list[StepInfo]:
     """Every step folder under ``root``, oldest first, and what a retention policy of
-    ``keep_last`` / ``keep_every`` would keep (read-only: nothing is deleted)."""
+    ``keep_last`` / ``keep_every`` would keep (read-only: nothing is deleted); with
+    ``fast`` (a node's fast path), the fast steps it holds too."""
     check_policy(keep_last, keep_every)
     rows = StepFolders(root, storage_options).listing(sizes=sizes)
     keep = retained([r.step for r in rows if r.committed], keep_last, keep_every)
-    return [
+    now = time.time()
+    fast_rows = [
+        StepInfo(
+            step=s.step,
+            name=s.name,
+            committed=s.committed,
+            bytes=s.nbytes() if sizes else 0,
+            age_s=max(0.0, now - float(s.record.get("time", now))) if s.record else None,
+            policy=None,
+            tier="fast",
+        )
+        for s in (fast_steps(fast) if fast is not None else [])
+    ]
+    persistent = [
         StepInfo(
             step=r.step,
             name=r.name,
@@ -587,3 +607,4 @@ def list_steps(
         )
         for r in rows
     ]
+    return sorted([*persistent, *fast_rows], key=lambda r: (r.step, r.tier != "persistent"))

@@ -214,8 +214,9 @@ def test_readme_steps_commands(tmp_path):
 
     from tests.support.cli import reshard
 
-    root = tmp_path / "ckpt"
-    with CheckpointManager(str(root), async_save=False) as mgr:
+    root, fast = tmp_path / "ckpt", tmp_path / "shm"
+    tier = reshard_svc.FastTier(str(fast), every=50)
+    with CheckpointManager(str(root), async_save=False, fast=tier) as mgr:
         for step in (100, 150, 200, 250):
             mgr.save(step, state(1.0))
     (root / step_name(300)).mkdir()
@@ -223,10 +224,11 @@ def test_readme_steps_commands(tmp_path):
     from tests.support.docs import block
 
     lines = [ln.split("  #")[0].strip() for ln in block("steps", "bash").splitlines() if ln.strip()]
-    assert len(lines) == 2
+    assert len(lines) == 3
     outs = []
     for line in lines:
-        argv = [str(root) if a == "/tmp/ckpt" else a for a in shlex.split(line)[1:]]
+        where = {"/tmp/ckpt": str(root), "/dev/shm/reshard/run-7": str(fast)}
+        argv = [where.get(a, a) for a in shlex.split(line)[1:]]
         r = reshard(*argv)
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
         outs.append(r.stdout)
@@ -240,6 +242,9 @@ def test_readme_steps_commands(tmp_path):
         300: None,
     }
     assert rows[300]["committed"] is False and rows[300]["bytes"] == 10
+    assert {r["tier"] for r in rows.values()} == {"persistent"}
+    assert "fast" in outs[2]  # the fast tier's newest two steps, beside the root's
+    assert outs[2].count("fast") >= 2 and "250" in outs[2]
     assert sorted(os.listdir(root)) == [step_name(s) for s in (100, 150, 200, 250, 300)]
 
 

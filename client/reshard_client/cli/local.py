@@ -372,15 +372,20 @@ def steps(
     keep_every: Annotated[
         int | None, typer.Option(min=1, help="Retention: also keep every step divisible by M.")
     ] = None,
+    fast: Annotated[
+        str | None,
+        typer.Option(help="Also this node's fast path (a FastTier's): the fast steps it holds."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the steps as JSON.")] = False,
 ) -> None:
     """List the step folders under ROOT: committed or partial, size, age, and what a
-    retention policy (--keep-last, --keep-every) would keep. Changes nothing."""
+    retention policy (--keep-last, --keep-every) would keep; with --fast, the fast tier's
+    steps on this node too. Changes nothing."""
     from reshard_svc.errors import ReshardError
     from reshard_svc.sessions.manager import list_steps
 
     try:
-        rows = list_steps(root, keep_last=keep_last, keep_every=keep_every)
+        rows = list_steps(root, keep_last=keep_last, keep_every=keep_every, fast=fast)
     except ReshardError as e:
         raise fail(e) from None
     if as_json:
@@ -390,7 +395,7 @@ def steps(
         out.print(f"no step folders under {root}", highlight=False)
         return
     table = Table(title=root, title_justify="left")
-    for col in ("step", "state", "size", "age", "retention"):
+    for col in ("step", "tier", "state", "size", "age", "retention"):
         table.add_column(col, justify="right" if col in ("step", "size", "age") else "left")
     for r in rows:
         age = (
@@ -402,6 +407,7 @@ def steps(
         )
         table.add_row(
             str(r.step),
+            r.tier,
             "committed" if r.committed else "partial",
             size_text(r.bytes),
             age,
