@@ -40,7 +40,7 @@ from rich.progress import (
 
 from reshard_svc._process import free_port, set_pdeathsig
 from reshard_svc.jobs.argv import worker_argv
-from reshard_svc.jobs.environment import worker_env
+from reshard_svc.jobs.environment import NODE_RANK_ENV, worker_env
 from reshard_svc.jobs.events import done_event
 
 __all__ = ["Outcome", "ProgressOut", "run_in_process", "run_workers", "leftovers"]
@@ -191,7 +191,7 @@ def run_workers(spec: Any, progress: ProgressOut) -> Outcome:
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
-        "GROUP_RANK": "0",
+        NODE_RANK_ENV: "0",
     }
     cmd = [sys.executable, *worker_argv(spec, progress_file=progress_file)]
     procs: list[subprocess.Popen[bytes]] = []

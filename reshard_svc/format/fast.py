@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +37,19 @@ from reshard_svc.storage.base import Target
 __all__ = [
     "COMMIT_RECORD",
     "FastStep",
-    "fast_steps",
+    "check_part",
     "fast_step_name",
+    "fast_steps",
+    "local_root",
+    "make_step_folder",
+    "pack_part",
+    "part_folder",
     "part_name",
+    "part_target",
     "read_part",
     "remove_fast_step",
+    "remove_part",
+    "unpack_part",
     "write_commit",
 ]
 
@@ -138,6 +147,89 @@ def fast_steps(path: str) -> list[FastStep]:
             )
         )
     return sorted(out, key=lambda s: (s.step, s.run))
+
+
+def make_step_folder(path: str, step: int, run: str) -> str:
+    """Run ``run``'s folder for fast step ``step`` under ``path``, made."""
+    folder = os.path.join(local_root(path), fast_step_name(step, run))
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def part_folder(step_folder: str, rank: int) -> str:
+    return os.path.join(step_folder, part_name(rank))
+
+
+def remove_part(step_folder: str, rank: int) -> None:
+    """Remove rank ``rank``'s part of an unfinished fast step (a save of it runs again)."""
+    shutil.rmtree(part_folder(step_folder, rank), ignore_errors=True)
+
+
+def pack_part(step_folder: str, rank: int) -> bytearray:
+    """A published part as one message: a JSON manifest (file names and sizes), then the
+    files, the index last (read once, straight into the message)."""
+    folder = part_folder(step_folder, rank)
+    index = read_part(folder)
+    names = [*sorted(index.files), INDEX_NAME]
+    sizes = [os.path.getsize(os.path.join(folder, n)) for n in names]
+    manifest = json.dumps([[n, s] for n, s in zip(names, sizes)]).encode()
+    head = len(manifest).to_bytes(8, "big") + manifest
+    out = bytearray(len(head) + sum(sizes))
+    out[: len(head)] = head
+    view, at = memoryview(out), len(head)
+    for n, size in zip(names, sizes):
+        with open(os.path.join(folder, n), "rb") as f:
+            if f.readinto(view[at : at + size]) != size:
+                raise CheckpointError(f"{n} changed while it was being sent")
+        at += size
+    return out
+
+
+def unpack_part(step_folder: str, rank: int, blob: memoryview) -> None:
+    """Check every block of a received part against its own index, then publish it as
+    rank ``rank``'s part (staging beside it, index last, rename)."""
+    blob = memoryview(blob).cast("B")
+    n = int.from_bytes(blob[:8], "big")
+    try:
+        manifest = json.loads(bytes(blob[8 : 8 + n]))
+    except ValueError as e:
+        raise CheckpointError(f"a malformed part message: {e}") from None
+    at = 8 + n
+    files: dict[str, memoryview] = {}
+    for name, size in manifest:
+        files[str(name)] = blob[at : at + int(size)]
+        at += int(size)
+    if at != len(blob) or INDEX_NAME not in files:
+        raise CheckpointError("a malformed part message")
+    index_bytes = bytes(files.pop(INDEX_NAME))
+    index = CheckpointIndex.loads(index_bytes, f"rank {rank}'s part")
+    if set(index.files) != set(files):
+        raise CheckpointError("the part's files are not the ones its index names")
+    for name, meta in index.files.items():
+        if meta.blocks is None or meta.size != files[name].nbytes:
+            raise CheckpointError(f"{name}: its size or CRC32Cs are missing")
+        if meta.size:
+            meta.blocks.check(0, files[name])
+    target = part_target(step_folder, rank)
+    staging = target.staging(uuid.uuid4().hex)
+    for name, data in files.items():  # views of the message: written without a copy
+        staging.write(name, data)  # type: ignore[arg-type]
+    target.commit(staging, index_bytes)
+
+
+def check_part(folder: str) -> CheckpointIndex:
+    """Every block of a part's files against its index (sizes too); its index."""
+    index = read_part(folder)
+    storage = open_storage(folder, {"sync_files": False})
+    for name, meta in index.files.items():
+        if meta.blocks is None:
+            raise CheckpointError(f"{name} has no block CRC32Cs")
+        size = storage.size(name)
+        if size != meta.size:
+            raise CheckpointError(f"{name} is {size} bytes, not {meta.size}")
+        if meta.size:
+            meta.blocks.check(0, storage.read_view(name, 0, meta.size))
+    return index
 
 
 def part_target(step_folder: str, rank: int) -> Target:

@@ -8,6 +8,7 @@ names and no others.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 __all__ = [
@@ -19,7 +20,9 @@ __all__ = [
     "LAUNCH_ENV",
     "PARENT_ENV",
     "WORKER_NAMES",
+    "NODE_RANK_ENV",
     "lease_owner",
+    "node_rank",
     "worker_env",
 ]
 
@@ -65,6 +68,15 @@ def worker_env(
         env[DIE_WITH_PARENT_ENV] = "1"
         env[PARENT_ENV] = str(parent_pid)
     return env
+
+
+#: torchrun's: the rank of this worker's node (its agent) among the job's nodes.
+NODE_RANK_ENV = "GROUP_RANK"
+
+
+def node_rank() -> str | None:
+    """This worker's node as torchrun numbers it, or None outside torchrun."""
+    return os.environ.get(NODE_RANK_ENV)
 
 
 def lease_owner(job_id: str) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -39,21 +38,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard_svc.errors import CheckpointError, ReshardError, UsageError
+from reshard_svc.errors import ReshardError, UsageError
 from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE
 from reshard_svc.format.fast import (
     FastStep,
+    check_part,
     fast_step_name,
     fast_steps,
     local_root,
-    part_name,
+    make_step_folder,
+    pack_part,
+    part_folder,
     part_target,
     read_part,
     remove_fast_step,
+    remove_part,
+    unpack_part,
     write_commit,
 )
-from reshard_svc.format.index import INDEX_NAME, CheckpointIndex, FileMeta, TensorMeta
+from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name
+from reshard_svc.jobs.environment import NODE_RANK_ENV, node_rank
 from reshard_svc.layout import Box
 from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.plan.save import plan_save
@@ -70,8 +75,6 @@ __all__ = ["Choice", "FastSaves", "FastTier", "RestoreInfo"]
 
 logger = logging.getLogger(__name__)
 
-#: The environment torchrun gives each agent's workers: the node's rank among the nodes.
-NODE_ENV = "GROUP_RANK"
 #: Fast steps each node keeps (committed); the one being written comes on top.
 KEEP = 2
 #: Rounds of choosing copies before a restore gives up on the fast tier (each round skips
@@ -107,12 +110,12 @@ class FastTier:
     def node_id(self) -> int:
         if self.node is not None:
             return self.node
-        raw = os.environ.get(NODE_ENV, "0")
+        raw = node_rank() or "0"
         try:
             return int(raw)
         except ValueError:
             raise UsageError(
-                f"{NODE_ENV}={raw!r} is not a node number: pass FastTier(node=)"
+                f"{NODE_RANK_ENV}={raw!r} is not a node number: pass FastTier(node=)"
             ) from None
 
 
@@ -236,7 +239,8 @@ class FastSaves:
             raise
         self._snapshot = _Snapshot()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-fast")
-        self._pending: Future[bool] | None = None
+        self._pending: Future[tuple[bool, int]] | None = None
+        self._counted: int | None = None  # this run's newest fast step that counts
         self._lock = threading.Lock()
         #: whether the last fast save that finished committed
         self.last_ok: bool | None = None
@@ -267,6 +271,8 @@ class FastSaves:
         """Every rank: wait for the fast save in flight, snapshot, and write in the
         background."""
         self.wait()
+        if step == self._counted:
+            return  # this run's fast step of this number already counts (a forced save)
         self._snapshot.take(state)
         self._pending = self._pool.submit(self._write, step)
 
@@ -275,19 +281,28 @@ class FastSaves:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        ok = pending.result()
+        ok, step = pending.result()
         self.last_ok = ok
+        if ok:
+            self._counted = step  # every rank learned the same outcome
         return ok
 
-    def _write(self, step: int) -> bool:
-        """The background part of a fast save (every rank, on the fast tier's group)."""
-        folder = os.path.join(self.root, fast_step_name(step, self.run))
+    def _write(self, step: int) -> tuple[bool, int]:
+        """The background part of a fast save (every rank, on the fast tier's group):
+        whether the step counts, and the step."""
+        return self._write_step(step), step
+
+    def _write_step(self, step: int) -> bool:
+        folder = f"{self.root}/{fast_step_name(step, self.run)}"
         error = ""
-        blob = b""
+        blob = bytearray()
         try:
-            os.makedirs(folder, exist_ok=True)
-            index = self._write_part(folder, self.comm.rank, self._snapshot)
-            blob = _pack(os.path.join(folder, f"part-{self.comm.rank:05d}"), index)
+            folder = make_step_folder(self.root, step, self.run)
+            # what an earlier attempt at this step left (it did not count): ours to redo
+            for origin in (self.comm.rank, *self.senders[self.comm.rank]):
+                remove_part(folder, origin)
+            self._write_part(folder, self.comm.rank, self._snapshot)
+            blob = pack_part(folder, self.comm.rank)
         except Exception as e:  # a full tmpfs, ...: the step does not count
             error = f"rank {self.comm.rank}: writing its part under {folder}: {e}"
         received, recv_error = self._exchange(blob if not error else None)
@@ -295,7 +310,7 @@ class FastSaves:
             if recv_error:
                 break
             try:
-                _unpack_part(folder, origin, data, self.run)
+                unpack_part(folder, origin, data)
             except Exception as e:
                 recv_error = f"rank {self.comm.rank}: the copy of rank {origin}'s part: {e}"
         error = error or recv_error
@@ -333,7 +348,7 @@ class FastSaves:
         self._retire()
         return True
 
-    def _write_part(self, folder: str, rank: int, snap: _Snapshot) -> CheckpointIndex:
+    def _write_part(self, folder: str, rank: int, snap: _Snapshot) -> None:
         """Publish this rank's part (index last, then renamed into place)."""
         holdings = {
             name: Holdings(
@@ -373,9 +388,8 @@ class FastSaves:
             block_size=DEFAULT_BLOCK_SIZE,
         )
         target.commit(staging, index.dumps())
-        return index
 
-    def _exchange(self, blob: bytes | None) -> tuple[dict[int, bytes], str]:
+    def _exchange(self, blob: bytearray | None) -> tuple[dict[int, memoryview], str]:
         """Send this rank's part to its peers and receive the parts it keeps copies of:
         sizes first (-1: the sender has none), then the bytes."""
         me = self.comm.rank
@@ -388,7 +402,7 @@ class FastSaves:
         ops += [dist.P2POp(dist.irecv, sizes[s], self._global[s], self._group) for s in sources]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None
+        payload = torch.frombuffer(blob, dtype=torch.uint8) if blob else None
         boxes = {s: torch.empty(int(sizes[s]), dtype=torch.uint8) for s in sources if sizes[s] > 0}
         ops = []
         if payload is not None:
@@ -399,7 +413,7 @@ class FastSaves:
                 w.wait()
         missing = [s for s in sources if sizes[s] <= 0]
         error = f"rank {me}: ranks {missing} had no part to copy" if missing else ""
-        return {s: t.numpy().tobytes() for s, t in boxes.items()}, error
+        return {s: memoryview(t.numpy()) for s, t in boxes.items()}, error  # type: ignore[arg-type]
 
     def _retire(self) -> None:
         """Keep the newest :data:`KEEP` committed steps of this node; remove older ones and
@@ -519,18 +533,8 @@ class FastSaves:
         """Check every block of the parts this rank will read; the bad ones, with why."""
         bad = []
         for origin in origins:
-            folder = os.path.join(self.root, name, part_name(origin))
             try:
-                index = read_part(folder)
-                storage = open_storage(folder, {"sync_files": False})
-                for fname, meta in index.files.items():
-                    if meta.blocks is None:
-                        raise CheckpointError(f"{fname} has no block CRC32Cs")
-                    size = storage.size(fname)
-                    if size != meta.size:
-                        raise CheckpointError(f"{fname} is {size} bytes, not {meta.size}")
-                    if meta.size:
-                        meta.blocks.check(0, storage.read_view(fname, 0, meta.size))
+                check_part(part_folder(f"{self.root}/{name}", origin))
             except (ReshardError, OSError) as e:
                 bad.append((origin, str(e)))
         return bad
@@ -543,7 +547,7 @@ class FastSaves:
         shards: dict[str, list[LocalShard]] = {}
         seen: set[tuple[str, Box]] = set()
         for origin in origins:
-            folder = os.path.join(self.root, name, part_name(origin))
+            folder = part_folder(f"{self.root}/{name}", origin)
             index = read_part(folder)
             storage = open_storage(folder, {"sync_files": False})
             for tname, meta in index.tensors.items():
@@ -645,45 +649,6 @@ def _whole(record: Mapping[str, Any], parts: Mapping[int, Mapping[str, Any]]) ->
         if have != total:
             return False
     return True
-
-
-def _pack(folder: str, index: CheckpointIndex) -> bytes:
-    """A part as one message: a JSON manifest (file names and sizes), then the files."""
-    names = [*sorted(index.files), INDEX_NAME]
-    data = []
-    for n in names:
-        with open(os.path.join(folder, n), "rb") as f:
-            data.append(f.read())
-    manifest = json.dumps([[n, len(d)] for n, d in zip(names, data)]).encode()
-    return b"".join([len(manifest).to_bytes(8, "big"), manifest, *data])
-
-
-def _unpack_part(step_folder: str, origin: int, blob: bytes, run: str) -> None:
-    """Check every block of a received part against its own index, then publish it."""
-    n = int.from_bytes(blob[:8], "big")
-    manifest = json.loads(blob[8 : 8 + n])
-    at = 8 + n
-    files: dict[str, memoryview] = {}
-    view = memoryview(blob)
-    for name, size in manifest:
-        files[str(name)] = view[at : at + int(size)]
-        at += int(size)
-    if at != len(blob) or INDEX_NAME not in files:
-        raise CheckpointError("a malformed part message")
-    index_bytes = bytes(files.pop(INDEX_NAME))
-    index = CheckpointIndex.loads(index_bytes, f"rank {origin}'s part")
-    if set(index.files) != set(files):
-        raise CheckpointError("the part's files are not the ones its index names")
-    for name, meta in index.files.items():
-        if meta.blocks is None or meta.size != files[name].nbytes:
-            raise CheckpointError(f"{name}: size or CRC32Cs missing")
-        if meta.size:
-            meta.blocks.check(0, files[name])
-    target = part_target(step_folder, origin)
-    staging = target.staging(uuid.uuid4().hex)
-    for name, data in files.items():
-        staging.write(name, bytes(data))
-    target.commit(staging, index_bytes)
 
 
 def _bytes_by_node(

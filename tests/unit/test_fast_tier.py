@@ -95,3 +95,35 @@ def test_a_full_fast_path_is_a_warning_and_training_goes_on(tmp_path, tiny_tmpfs
     with reshard_svc.CheckpointManager(str(tmp_path / "root"), fast=fast) as mgr:
         assert mgr.load(got) == 4 and mgr.last_restore.tier == "persistent"
     assert torch.equal(got["w"], _state(4)["w"])
+
+
+def test_a_forced_save_of_a_step_the_fast_tier_holds_keeps_it_counted(tmp_path, caplog):
+    fast = reshard_svc.FastTier(str(tmp_path / "fast"), every=2)
+    with caplog.at_level(logging.WARNING, logger="reshard_svc.sessions.fast"):
+        with reshard_svc.CheckpointManager(str(tmp_path / "root"), interval=10, fast=fast) as mgr:
+            for step in (1, 2):
+                mgr.save(step, _state(step))
+            mgr.save(2, _state(2), force=True)  # a final save at a step the fast tier has
+            mgr.wait()
+            assert mgr.fast_steps() == [2] and mgr.steps() == [2]
+    assert not [r for r in caplog.records if "does not count" in r.getMessage()]
+
+
+def test_an_unfinished_fast_step_is_written_again_whole(tmp_path):
+    """A part left by an attempt that did not count (here: planted) is replaced."""
+    from reshard_svc.format.fast import fast_steps
+
+    fast = reshard_svc.FastTier(str(tmp_path / "fast"), every=1)
+    with reshard_svc.CheckpointManager(str(tmp_path / "root"), interval=10, fast=fast) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        (done,) = fast_steps(str(tmp_path / "fast"))
+        os.remove(os.path.join(done.folder, "commit.json"))  # as if it never counted
+        mgr._fast._counted = None  # noqa: SLF001 (the attempt did not count)
+        mgr.save(1, _state(7))
+        mgr.wait()
+        assert mgr.fast_steps() == [1]
+    got = _state(-1)
+    with reshard_svc.CheckpointManager(str(tmp_path / "root"), fast=fast) as mgr:
+        assert mgr.load(got) == 1
+    assert torch.equal(got["w"], _state(7)["w"])
