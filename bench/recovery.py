@@ -125,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     with reshard_svc.CheckpointManager(root, fast=tier) as again:
         r = common.timed(lambda: again.load(got))
         info = again.last_restore
-    out["fast"] = {**r, "step": info.step, "tier": info.tier}
+    out["fast"] = {**r, "step": info.step, "tier": info.tier, "phases": dict(info.phases)}
     out["bytes_local"], out["bytes_peer"] = info.bytes_local, info.bytes_peer
     out["bytes_persistent"] = info.bytes_persistent
     out["bitwise"] = all(torch.equal(a, b) for a, b in zip(_locals(got), tensors, strict=True))
@@ -234,6 +234,10 @@ def _line(run: int, ranks: list[dict]) -> dict:
         "disk_over": round(worst("disk_cold") / worst("fast"), 2),
         "s3_over": round(worst("s3") / worst("fast"), 2),
         "persistent_bytes_per_lost_byte": sum(r["bytes_persistent"] for r in ranks) / lost,
+        "restore_fast_phases_s": {
+            k: round(max(r["fast"]["phases"].get(k, 0) for r in ranks), 3)
+            for k in ("find", "check", "move")
+        },
         "bytes_peer": sum(r["bytes_peer"] for r in ranks),
         "bitwise": all(r["bitwise"] for r in ranks),
     }

@@ -32,7 +32,7 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -133,6 +133,9 @@ class RestoreInfo:
     bytes_persistent: int
     seconds: float
     skipped: tuple[str, ...] = ()
+    #: seconds by phase (``find``: what each node holds and which step; ``check``: the
+    #: CRC32Cs of the parts read; ``move``: reading them and moving them into place)
+    phases: Mapping[str, float] = field(default_factory=dict)
 
 
 # ---- the snapshot: this rank's boxes in reused host buffers
@@ -456,13 +459,19 @@ class FastSaves:
         fast step qualifies."""
         bad: set[tuple[int, str, int]] = set()  # (node, step folder, origin rank)
         skipped: list[str] = []
+        phases = {"find": 0.0, "check": 0.0}
         for _ in range(ROUNDS):
+            t0 = time.perf_counter()
             _, reports = self.comm.run_everywhere("fast tier: what each node holds", self._report)
             choice = _choose(reports, bad, newer_than)
+            t1 = time.perf_counter()
+            phases["find"] += t1 - t0
             if choice is None:
                 return None
             mine = [o for o, r in choice.readers.items() if r == self.comm.rank]
             problems = self._checked(choice, mine)
+            phases["check"] += time.perf_counter() - t1
+            choice.phases = phases
             found = [
                 (self.nodes[r], choice.name, int(o), text)
                 for r, p in enumerate(problems)
@@ -483,8 +492,18 @@ class FastSaves:
     def fill(self, choice: Choice, tensors: Mapping[str, Any], started: float) -> RestoreInfo:
         """Every rank: move the chosen step's bytes into ``tensors`` (this job's layout)."""
         mine = [o for o, r in choice.readers.items() if r == self.comm.rank]
+        t0 = time.perf_counter()
         src, boxes = self._sources(choice.name, mine)
-        transfer(src, tensors, process_group=self.process_group, plan_cache=None)
+        moved = transfer(src, tensors, process_group=self.process_group, plan_cache=None)
+        phases = {**choice.phases, "move": time.perf_counter() - t0}
+        logger.info(
+            "fast tier: restored step %d in %.2f s (%s; this rank sent %d B, received %d B)",
+            choice.step,
+            time.perf_counter() - started,
+            ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()),
+            moved.bytes_sent,
+            moved.bytes_received,
+        )
         by_node = _bytes_by_node(tensors, boxes, self.comm, self.nodes)
         return RestoreInfo(
             step=choice.step,
@@ -494,6 +513,7 @@ class FastSaves:
             bytes_persistent=0,
             seconds=time.perf_counter() - started,
             skipped=choice.skipped,
+            phases=phases,
         )
 
     def _checked(self, choice: Choice, mine: list[int]) -> list[Any]:
@@ -580,6 +600,7 @@ class Choice:
     names: set[str]
     extras: dict[str, Any]
     skipped: tuple[str, ...] = ()
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def _choose(
