@@ -219,6 +219,7 @@ def _line(run: int, ranks: list[dict]) -> dict:
     dcp_stall = statistics.median(worst("dcp_async_stall_s", i) for i in range(STEPS))
     lost = sum(r["bytes"] for r in ranks if r["node"] == 1)
     return {
+        "bench": "recovery",
         "run": run,
         "state_bytes": sum(r["bytes"] for r in ranks),
         "tmpfs_bytes": max(r["tmpfs_bytes"] for r in ranks),

@@ -127,3 +127,16 @@ def test_an_unfinished_fast_step_is_written_again_whole(tmp_path):
     with reshard_svc.CheckpointManager(str(tmp_path / "root"), fast=fast) as mgr:
         assert mgr.load(got) == 1
     assert torch.equal(got["w"], _state(7)["w"])
+
+
+def test_a_stop_signal_saves_a_fast_step_first_then_the_root(tmp_path):
+    import signal
+
+    fast = reshard_svc.FastTier(str(tmp_path / "fast"), every=100)
+    with reshard_svc.CheckpointManager(
+        str(tmp_path / "root"), interval=100, fast=fast, save_on_signals=[signal.SIGUSR1]
+    ) as mgr:
+        mgr.save(1, _state(1))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.save(2, _state(2)) and mgr.should_stop  # neither tier was due at step 2
+        assert mgr.fast_steps() == [2] and mgr.steps() == [2]
