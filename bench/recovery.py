@@ -200,7 +200,15 @@ def main() -> None:
         "runs": args.runs,
         "state_bytes": lines[0]["state_bytes"],
         "tmpfs_bytes": lines[0]["tmpfs_bytes"],
-        **{k: med(k) for k in lines[0] if k.endswith(("_s", "_over"))},
+        **{
+            k: med(k)
+            for k, v in lines[0].items()
+            if k.endswith(("_s", "_over")) and not isinstance(v, dict)
+        },
+        "restore_fast_phases_s": {
+            k: round(statistics.median(x["restore_fast_phases_s"][k] for x in lines), 3)
+            for k in lines[0]["restore_fast_phases_s"]
+        },
         "persistent_bytes_per_lost_byte": med("persistent_bytes_per_lost_byte"),
         "bitwise": all(x["bitwise"] for x in lines),
     }

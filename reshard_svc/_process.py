@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
+from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["alive", "free_port", "process_start", "set_pdeathsig", "tagged_pids"]
+from reshard_svc.errors import CheckpointError
+
+__all__ = ["alive", "fork_call", "free_port", "process_start", "set_pdeathsig", "tagged_pids"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -86,3 +91,47 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def fork_call(fn: Callable[[], Any], what: str, ignore: Iterable[int] = ()) -> Callable[[], Any]:
+    """Run ``fn`` in a forked child, whose copy-on-write view of this process's memory is
+    a snapshot taken now; return a function that waits for the child and returns what
+    ``fn`` returned (JSON-able: it comes back through a pipe) or raises
+    :class:`~reshard_svc.errors.CheckpointError` naming ``what``.
+
+    The child runs no process group and should run no torch kernels; signals in ``ignore``
+    (a job's stop signals) are the parent's to handle, and the child finishes its work.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no return
+        code = 0
+        try:
+            for sig in ignore:
+                signal.signal(sig, signal.SIG_IGN)
+            os.close(read_fd)
+            payload: dict[str, Any] = {"ok": fn()}
+        except BaseException as e:  # reported to the parent, which raises it
+            payload = {"error": f"{type(e).__name__}: {e}"}
+            code = 1
+        data = json.dumps(payload).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(write_fd, view) :]
+        os._exit(code)
+    os.close(write_fd)
+
+    def collect() -> Any:
+        chunks = []
+        with os.fdopen(read_fd, "rb") as f:
+            while block := f.read(1 << 16):
+                chunks.append(block)
+        _, status = os.waitpid(pid, 0)
+        if not chunks:
+            raise CheckpointError(f"{what} (pid {pid}) died: status {status}")
+        result = json.loads(b"".join(chunks))
+        if "error" in result:
+            raise CheckpointError(f"{what} failed: {result['error']}")
+        return result["ok"]
+
+    return collect

@@ -23,7 +23,6 @@ the values at call time.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -36,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard_svc.errors import CheckpointError, UsageError
+from reshard_svc._process import fork_call
+from reshard_svc.errors import UsageError
 from reshard_svc.format.checksums import check_algorithm
 from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import Box
@@ -147,45 +147,16 @@ class AsyncSaver:
         """Fork a process that writes this rank's files from the copy-on-write snapshot.
 
         Returns a function (run by the background thread) that waits for the writer and
-        yields its [[name, size, checksums], ...] or raises its error.
+        yields its [[name, size, checksums], ...] or raises its error. A stop signal sent
+        to the whole job (Slurm, a process group) is the trainer's to handle: the writer
+        finishes its files (kill -9 still ends it).
         """
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the writer: no process group, no torch kernels, no return
-            code = 0
-            try:
-                # A stop signal sent to the whole job (Slurm, a process group) is the
-                # trainer's to handle: the writer finishes its files (kill -9 still ends it).
-                for sig in _STOP_SIGNALS:
-                    signal.signal(sig, signal.SIG_IGN)
-                os.close(read_fd)
-                storage = open_storage(prep.uri, prep.storage.storage_options)  # fresh fs
-                staging = storage.staging(prep.token)
-                payload: dict[str, Any] = {"ok": write_files(prep, rank, staging)}
-            except BaseException as e:  # reported to the parent, which raises it
-                payload = {"error": f"{type(e).__name__}: {e}"}
-                code = 1
-            data = json.dumps(payload).encode()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(write_fd, view) :]
-            os._exit(code)
-        os.close(write_fd)
 
-        def collect() -> dict[str, Any]:
-            chunks = []
-            with os.fdopen(read_fd, "rb") as f:
-                while block := f.read(1 << 16):
-                    chunks.append(block)
-            _, status = os.waitpid(pid, 0)
-            if not chunks:
-                raise CheckpointError(f"async save writer (pid {pid}) died: status {status}")
-            result = json.loads(b"".join(chunks))
-            if "error" in result:
-                raise CheckpointError(f"async save writer failed: {result['error']}")
-            return result["ok"]  # type: ignore[no-any-return]
+        def write() -> dict[str, Any]:
+            storage = open_storage(prep.uri, prep.storage.storage_options)  # fresh fs
+            return write_files(prep, rank, storage.staging(prep.token))
 
-        return collect
+        return fork_call(write, "async save writer", ignore=_STOP_SIGNALS)  # type: ignore[no-any-return]
 
     def wait(self) -> None:
         """Block until every save this saver started has finished (errors re-raised)."""
