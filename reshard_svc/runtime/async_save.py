@@ -28,7 +28,7 @@ import os
 import signal
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -45,11 +45,23 @@ from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commi
 from reshard_svc.runtime.targets import replica_crcs
 from reshard_svc.storage import open_storage
 
-__all__ = ["AsyncSaver", "async_save"]
+__all__ = ["STOP_SIGNALS", "AsyncSaver", "async_save", "can_fork"]
 
 logger = logging.getLogger(__name__)
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+#: What a job is stopped with (torchrun, Slurm, a person): a forked writer leaves them to
+#: its trainer and finishes its files.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def can_fork(views: Iterable[torch.Tensor]) -> bool:
+    """Whether a snapshot of ``views`` may be a forked writer's copy-on-write view: CPU
+    tensors on a system with ``fork`` (``RESHARD_ASYNC_FORK=0`` turns it off)."""
+    return (
+        hasattr(os, "fork")
+        and os.environ.get("RESHARD_ASYNC_FORK", "1") != "0"
+        and all(v.device.type == "cpu" for v in views)
+    )
 
 
 class AsyncSaver:
@@ -93,11 +105,7 @@ class AsyncSaver:
         storage = open_storage(uri, storage_options)
         prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite, check_replicas)
         mine = {(name, box) for spec in prep.plan.files_of(comm.rank) for name, box in spec.entries}
-        use_fork = (
-            hasattr(os, "fork")
-            and os.environ.get("RESHARD_ASYNC_FORK", "1") != "0"
-            and all(v.device.type == "cpu" for p in prep.placed.values() for v in p.local.values())
-        )
+        use_fork = can_fork(v for p in prep.placed.values() for v in p.local.values())
         if not use_fork:
             # Replicas this rank holds but does not write are checked now (a copy would
             # cost more); a forked writer checks them from its copy-on-write view.
@@ -156,7 +164,7 @@ class AsyncSaver:
             storage = open_storage(prep.uri, prep.storage.storage_options)  # fresh fs
             return write_files(prep, rank, storage.staging(prep.token))
 
-        return fork_call(write, "async save writer", ignore=_STOP_SIGNALS)  # type: ignore[no-any-return]
+        return fork_call(write, "async save writer", ignore=STOP_SIGNALS)  # type: ignore[no-any-return]
 
     def wait(self) -> None:
         """Block until every save this saver started has finished (errors re-raised)."""

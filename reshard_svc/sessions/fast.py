@@ -23,6 +23,7 @@ by block (a bad copy is skipped for another, named in one warning), and moved by
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard_svc.errors import ReshardError, UsageError
+from reshard_svc._process import fork_call
+from reshard_svc.errors import CheckpointError, ReshardError, UsageError
 from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE
 from reshard_svc.format.fast import (
     FastStep,
@@ -62,6 +64,7 @@ from reshard_svc.jobs.environment import NODE_RANK_ENV, node_rank
 from reshard_svc.layout import Box
 from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.plan.save import plan_save
+from reshard_svc.runtime.async_save import STOP_SIGNALS, can_fork
 from reshard_svc.runtime.buffers import BackgroundWriter
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import WRITE_QUEUE_BYTES, write_file
@@ -150,7 +153,9 @@ class _Snapshot:
         self.placed: dict[str, Placed] = {}
         self.extras: dict[str, Any] = {}
 
-    def take(self, state: Mapping[str, Any]) -> None:
+    def take(self, state: Mapping[str, Any], views: bool = False) -> None:
+        """Copy this rank's tensors into the staging buffers; with ``views``, contiguous
+        CPU boxes stay the live views (a forked writer's copy-on-write memory holds them)."""
         placed: dict[str, Placed] = {}
         extras: dict[str, Any] = {}
         used = set()
@@ -161,6 +166,9 @@ class _Snapshot:
             live = describe(leaf)
             copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
             for box, view in live.local.items():
+                if views and view.device.type == "cpu" and view.is_contiguous():
+                    copy.local[box] = view.detach()
+                    continue
                 key = (name, box)
                 buf = self.buffers.get(key)
                 if buf is None or buf.dtype != view.dtype or buf.shape != view.shape:
@@ -276,8 +284,21 @@ class FastSaves:
         self.wait()
         if step == self._counted:
             return  # this run's fast step of this number already counts (a forced save)
-        self._snapshot.take(state)
-        self._pending = self._pool.submit(self._write, step)
+        leaves = [describe(leaf) for leaf in flatten(state).values() if leaf.kind != "extra"]
+        fork = can_fork(v for p in leaves for v in p.local.values())
+        self._snapshot.take(state, views=fork)
+        prepared: Callable[[], Any] | str | None = None
+        if fork:  # the part is written by a copy-on-write child: the stall is the fork
+            try:
+                folder = self._prepare(step)
+                prepared = fork_call(
+                    functools.partial(self._write_part, folder, self.comm.rank, self._snapshot),
+                    "fast tier: the part writer",
+                    ignore=STOP_SIGNALS,
+                )
+            except Exception as e:  # the exchange still runs, saying this rank has no part
+                prepared = f"rank {self.comm.rank}: preparing its part of step {step}: {e}"
+        self._pending = self._pool.submit(self._write, step, prepared)
 
     def wait(self) -> bool | None:
         """Wait for the fast save in flight; whether it committed (None: none was)."""
@@ -290,21 +311,31 @@ class FastSaves:
             self._counted = step  # every rank learned the same outcome
         return ok
 
-    def _write(self, step: int) -> tuple[bool, int]:
+    def _prepare(self, step: int) -> str:
+        """The step's folder on this node, without what an earlier attempt at it left
+        (it did not count) of the parts this rank writes."""
+        folder = make_step_folder(self.root, step, self.run)
+        for origin in (self.comm.rank, *self.senders[self.comm.rank]):
+            remove_part(folder, origin)
+        return folder
+
+    def _write(self, step: int, prepared: Callable[[], Any] | str | None) -> tuple[bool, int]:
         """The background part of a fast save (every rank, on the fast tier's group):
         whether the step counts, and the step."""
-        return self._write_step(step), step
+        return self._write_step(step, prepared), step
 
-    def _write_step(self, step: int) -> bool:
+    def _write_step(self, step: int, prepared: Callable[[], Any] | str | None) -> bool:
         folder = f"{self.root}/{fast_step_name(step, self.run)}"
         error = ""
         blob = bytearray()
         try:
-            folder = make_step_folder(self.root, step, self.run)
-            # what an earlier attempt at this step left (it did not count): ours to redo
-            for origin in (self.comm.rank, *self.senders[self.comm.rank]):
-                remove_part(folder, origin)
-            self._write_part(folder, self.comm.rank, self._snapshot)
+            if isinstance(prepared, str):
+                raise CheckpointError(prepared)
+            if prepared is None:
+                folder = self._prepare(step)
+                self._write_part(folder, self.comm.rank, self._snapshot)
+            else:
+                prepared()  # the forked writer's part, published
             blob = pack_part(folder, self.comm.rank)
         except Exception as e:  # a full tmpfs, ...: the step does not count
             error = f"rank {self.comm.rank}: writing its part under {folder}: {e}"
