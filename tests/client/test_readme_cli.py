@@ -4,6 +4,7 @@ with the guide's rules file."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 
@@ -90,7 +91,9 @@ def test_cli_guide_commands(tmp_path):
 @pytest.mark.s3
 def test_readme_python_section(s3, tmp_path, monkeypatch):
     """The "Python" section, as written (one process; its S3 bucket is moto's)."""
+    fast = str(tmp_path / "shm" / "run")  # each node's memory: here, this test's folder
     code = section("python", "python").replace("s3://bucket", s3)
+    code = code.replace("/dev/shm/reshard/run", fast)
     g = torch.Generator().manual_seed(0)
     model_sd = {"w": torch.randn(16, 8, generator=g)}
     optim_sd = {"state": {"w": {"exp_avg": torch.randn(16, 8, generator=g)}}}
@@ -108,3 +111,7 @@ def test_readme_python_section(s3, tmp_path, monkeypatch):
     with reshard_svc.CheckpointManager(f"{s3}/run") as mgr:  # the loop's steps, on S3
         assert mgr.steps() == [20, 30]
         assert mgr.load({"model": {"w": torch.zeros(16, 8)}}, strict=False) == 30
+    assert sorted(n.split(".")[0] for n in os.listdir(fast)) == [
+        "step-0000000028",
+        "step-0000000030",
+    ]
