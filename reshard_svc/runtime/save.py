@@ -52,6 +52,7 @@ __all__ = [
     "box_bands",
     "prepare_save",
     "save",
+    "saved_index",
     "write_and_commit",
     "write_file",
     "write_files",
@@ -246,6 +247,38 @@ def write_files(prep: PreparedSave, rank: int, staging: Storage | None = None) -
     return {"files": files, "replicas": report}
 
 
+def saved_index(
+    holdings: Mapping[str, Holdings],
+    plan: SavePlan,
+    written: list[list[Any]],
+    extras: Mapping[str, Any],
+    checksum: str,
+) -> CheckpointIndex:
+    """The index of what ``plan`` saved of ``holdings``: ``written`` is every writer's
+    ``[name, size, checksums]`` per file (:func:`write_file`)."""
+    block_size = DEFAULT_BLOCK_SIZE if checksum != "none" else None
+    return CheckpointIndex(
+        tensors={
+            name: TensorMeta(
+                name=name,
+                dtype=dtype_from_name(h.dtype),
+                shape=h.shape,
+                layout=Layout.parse(h.layout) if h.layout else None,
+                chunks=plan.chunks[name],
+            )
+            for name, h in holdings.items()
+        },
+        files={
+            name: FileMeta.from_written(name, size, sums, block_size)
+            for name, size, sums in written
+        },
+        extras=dict(extras),
+        created_by=f"reshard_svc {__version__}",
+        checksum=checksum,
+        block_size=block_size,
+    )
+
+
 def write_and_commit(
     prep: PreparedSave, comm: Comm, written_here: Callable[[], dict[str, Any]] | None = None
 ) -> CheckpointIndex:
@@ -260,29 +293,14 @@ def write_and_commit(
         if prep.run is not None:
             prep.run.abort(staging)
         raise
-    block_size = DEFAULT_BLOCK_SIZE if prep.checksum != "none" else None
-    files = {
-        name: FileMeta.from_written(name, size, sums, block_size)
-        for per_rank in written
-        for name, size, sums in per_rank["files"]
-    }
-    index = CheckpointIndex(
-        tensors={
-            name: TensorMeta(
-                name=name,
-                dtype=dtype_from_name(h.dtype),
-                shape=h.shape,
-                layout=Layout.parse(h.layout) if h.layout else None,
-                chunks=plan.chunks[name],
-            )
-            for name, h in prep.holdings.items()
-        },
-        files=files,
-        extras=prep.extras,
-        created_by=f"reshard_svc {__version__}",
-        checksum=prep.checksum,
-        block_size=block_size,
+    index = saved_index(
+        prep.holdings,
+        plan,
+        [f for per_rank in written for f in per_rank["files"]],
+        prep.extras,
+        prep.checksum,
     )
+    files = index.files
 
     def commit() -> None:
         if prep.run is None:

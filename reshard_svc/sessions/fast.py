@@ -41,7 +41,6 @@ import torch.distributed as dist
 
 from reshard_svc._process import fork_call
 from reshard_svc.errors import CheckpointError, ReshardError, UsageError
-from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE
 from reshard_svc.format.fast import (
     FastStep,
     check_part,
@@ -58,8 +57,6 @@ from reshard_svc.format.fast import (
     unpack_part,
     write_commit,
 )
-from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
-from reshard_svc.format.safetensors import dtype_from_name
 from reshard_svc.jobs.environment import NODE_RANK_ENV, node_rank
 from reshard_svc.layout import Box
 from reshard_svc.plan.items import Held, Holdings
@@ -67,7 +64,7 @@ from reshard_svc.plan.save import plan_save
 from reshard_svc.runtime.async_save import STOP_SIGNALS, can_fork
 from reshard_svc.runtime.buffers import BackgroundWriter
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.save import WRITE_QUEUE_BYTES, write_file
+from reshard_svc.runtime.save import WRITE_QUEUE_BYTES, saved_index, write_file
 from reshard_svc.runtime.state_dict import LocalShard, LocalShards, flatten
 from reshard_svc.runtime.targets import Placed, describe
 from reshard_svc.runtime.transfer import transfer
@@ -401,26 +398,7 @@ class FastSaves:
         with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
             for spec in plan.files_of(0):
                 written.append(write_file(staging, spec, snap.placed, background, "crc32c", {}))
-        index = CheckpointIndex(
-            tensors={
-                name: TensorMeta(
-                    name=name,
-                    dtype=dtype_from_name(h.dtype),
-                    shape=h.shape,
-                    layout=None,
-                    chunks=plan.chunks[name],
-                )
-                for name, h in holdings.items()
-            },
-            files={
-                n: FileMeta.from_written(n, size, sums, DEFAULT_BLOCK_SIZE)
-                for n, size, sums in written
-            },
-            extras=snap.extras,
-            created_by="reshard_svc fast tier",
-            checksum="crc32c",
-            block_size=DEFAULT_BLOCK_SIZE,
-        )
+        index = saved_index(holdings, plan, written, snap.extras, "crc32c")
         target.commit(staging, index.dumps())
 
     def _exchange(self, blob: bytearray | None) -> tuple[dict[int, memoryview], str]:
