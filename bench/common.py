@@ -20,6 +20,8 @@ from typing import Any
 SIZES = {
     # The BASELINES.md model shape (wq/wk/wv all HxH here: 2.73 GB bf16).
     "full": {"layers": 24, "hidden": 2048, "ffn": 5632, "vocab": 32000},
+    # The same widths with 2 layers (0.47 GB bf16): the fast tier's 1.4 GB with two moments.
+    "medium": {"layers": 2, "hidden": 2048, "ffn": 5632, "vocab": 32000},
     # A quick smoke run of the same shape family.
     "small": {"layers": 2, "hidden": 256, "ffn": 704, "vocab": 4000},
 }

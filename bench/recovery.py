@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 
-common.SIZES.setdefault("medium", {"layers": 2, "hidden": 2048, "ffn": 5632, "vocab": 32000})
 STEPS = 4
 NODES = [0, 0, 1, 1]
 

@@ -63,7 +63,23 @@ from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.sessions.fast import FastSaves, FastTier, RestoreInfo
 from reshard_svc.storage.leases import Lease
 
-__all__ = ["CheckpointManager", "StepInfo", "list_steps"]
+__all__ = ["CheckpointManager", "Saved", "StepInfo", "list_steps"]
+
+#: why :meth:`CheckpointManager.save` did or did not save
+SAVED, NOT_DUE, DEFERRED = "saved", "not due", "deferred: the previous save is still in flight"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saved:
+    """What one :meth:`CheckpointManager.save` call did: true when it saved; ``reason``
+    says why not (``not due``, or ``deferred: ...`` under ``if_busy="defer"``)."""
+
+    saved: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.saved
+
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +105,9 @@ class CheckpointManager:
             retention until released (an export still reading them):
             ``reshard_client.ExportOnCommit`` asks a reshard-server to convert every K-th
             step.
+        if_busy: what a due save does while the previous one is still in flight on some
+            rank: ``wait`` for it (default), or ``defer`` to the next call (training never
+            waits on storage; ``force`` and a stop signal still wait), which then saves.
         fast: a :class:`~reshard_svc.FastTier`: every ``fast.every`` steps each rank's
             shards also go to its node's fast path and to ``copies - 1`` other nodes;
             :meth:`load` resumes from the newest whole fast step when it is not older than
@@ -110,6 +129,7 @@ class CheckpointManager:
         checksum: str = "crc32c",
         on_commit: Callable[[int, str], Any] | None = None,
         fast: FastTier | None = None,
+        if_busy: str = "wait",
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise UsageError(f"interval must be a positive integer, got {interval!r}")
@@ -125,6 +145,10 @@ class CheckpointManager:
         self.should_stop = False
         #: where the last :meth:`load` came from (step, tier, bytes by source, seconds)
         self.last_restore: RestoreInfo | None = None
+        if if_busy not in ("wait", "defer"):
+            raise UsageError(f"if_busy must be 'wait' or 'defer', got {if_busy!r}")
+        self.if_busy = if_busy
+        self._owed = False  # a due save was deferred: the next call saves
         if fast is not None and not isinstance(fast, FastTier):
             raise UsageError(f"fast must be a reshard_svc.FastTier, got {type(fast).__name__}")
         #: how long the last due ``save`` waited for the previous save to commit (seconds)
@@ -207,29 +231,35 @@ class CheckpointManager:
 
     # ---- saving
 
-    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False) -> bool:
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False) -> Saved:
         """Called by every rank every step. Saves ``state`` as ``step`` when due (every
-        ``interval``, or ``force``, or a stop signal); returns whether it saved. A failure
-        of the previous background save raises :class:`SaveFailedError` here, on every
+        ``interval``, or ``force``, or a stop signal, or a save deferred by ``if_busy``);
+        returns a :class:`Saved`, true when it saved (and why not, when not). A failure of
+        the previous background save raises :class:`SaveFailedError` here, on every
         rank."""
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
-        stop = self._agree()
-        due = force or stop or step % self.interval == 0
+        stop, busy = self._agree()
+        due = force or stop or step % self.interval == 0 or self._owed
         if self._fast is not None and (stop or self._fast.due(step)):
             self._fast.save(step, self._with_step(step, state))
             if stop:
                 self._fast.wait()  # preemption: the fast copy first (seconds), then the root
         if not due:
-            return False
+            return Saved(saved=False, reason=NOT_DUE)
         if stop or self._saver is None:
             self._finish_pending()
             self._save_now(step, state)
+            self._owed = False
             if stop:
                 self.should_stop = True
                 logger.warning("stop signal: saved step %d synchronously; should_stop is set", step)
-            return True
+            return Saved(saved=True, reason=SAVED)
+        if busy and self.if_busy == "defer" and not force:
+            self._owed = True  # the next call saves, once the save in flight is done
+            return Saved(saved=False, reason=DEFERRED)
+        self._owed = False
         started = time.monotonic()
         self._finish_pending()
         waited = self.last_wait_s = time.monotonic() - started
@@ -242,17 +272,23 @@ class CheckpointManager:
             checksum=self.checksum,
         )
         self._pending = (step, self._post.submit(self._after_commit, future, step))
-        return True
+        return Saved(saved=True, reason=SAVED)
 
-    def _agree(self) -> bool:
-        """One small all-reduce: (a stop was asked for, a previous save failed)."""
-        failed = 0
-        if self._pending is not None and self._pending[1].done():
-            failed = int(self._pending[1].exception() is not None)
-        stop, any_failed = self.comm.all_reduce_max([int(self._signalled is not None), failed])
+    def _agree(self) -> tuple[bool, bool]:
+        """One small all-reduce: (a stop was asked for, a previous save failed, a save is
+        still in flight on some rank); returns (stop, busy)."""
+        failed = busy = 0
+        if self._pending is not None:
+            if self._pending[1].done():
+                failed = int(self._pending[1].exception() is not None)
+            else:
+                busy = 1
+        stop, any_failed, any_busy = self.comm.all_reduce_max(
+            [int(self._signalled is not None), failed, busy]
+        )
         if any_failed:
             self._finish_pending()  # every rank's save of that step fails: raise it
-        return bool(stop)
+        return bool(stop), bool(any_busy)
 
     def _finish_pending(self) -> None:
         """Wait for the save in flight; its failure is raised on every rank."""

@@ -368,3 +368,49 @@ def test_the_roots_lease_debris_of_a_dead_job_is_collected_at_construction(tmp_p
     with CheckpointManager(str(root), async_save=False) as mgr:
         mgr.save(1, {"w": torch.zeros(3)})
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".run")) == sorted(alive)
+
+
+def test_if_busy_defer_never_waits_and_commits_every_step_it_says_it_saved(tmp_path, monkeypatch):
+    """Saves slower than steps: a due save finding the previous in flight is deferred to
+    the next call (which saves); every save said saved commits; force and a stop signal
+    still save."""
+    import time
+
+    import reshard_svc.runtime.async_save as async_module
+
+    real = async_module.write_files
+
+    def slow(*args, **kwargs):  # the forked writer runs this too: a slow store
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(async_module, "write_files", slow)
+    outcomes = {}
+    with CheckpointManager(
+        str(tmp_path / "root"), interval=2, if_busy="defer", save_on_signals=[signal.SIGUSR2]
+    ) as mgr:
+        for step in range(1, 25):
+            force = step == 13
+            if step == 21:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            outcomes[step] = mgr.save(step, state(float(step)), force=force)
+            if mgr.should_stop:
+                break
+            time.sleep(0.05)
+        mgr.wait()
+        committed = mgr.steps()
+    saved = [s for s, o in outcomes.items() if o]
+    assert committed == saved, (committed, outcomes)
+    deferred = [s for s, o in outcomes.items() if not o and o.reason.startswith("deferred")]
+    assert deferred, outcomes  # saves took 0.3 s, steps 0.05 s: some were put off
+    assert all(outcomes[s + 1] or outcomes[s + 1].reason.startswith("deferred") for s in deferred)
+    assert outcomes[13] and outcomes[21] and max(outcomes) == 21  # force, then the signal
+    got = state(-1.0)
+    with CheckpointManager(str(tmp_path / "root")) as mgr:
+        assert mgr.load(got) == 21
+    assert torch.equal(got["w"], state(21.0)["w"])
+
+
+def test_if_busy_is_checked(tmp_path):
+    with pytest.raises(reshard_svc.UsageError, match="if_busy"):
+        CheckpointManager(str(tmp_path / "root"), if_busy="skip")
