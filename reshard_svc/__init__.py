@@ -52,6 +52,7 @@ _LAZY = {
     "AsyncSaver": "reshard_svc.runtime.async_save",
     "async_save": "reshard_svc.runtime.async_save",
     "CheckpointManager": "reshard_svc.sessions.manager",
+    "Saved": "reshard_svc.sessions.manager",
     "ConvertResult": "reshard_svc.runtime.convert",
     "convert": "reshard_svc.runtime.convert",
     "LoadStats": "reshard_svc.runtime.load",
@@ -98,7 +99,7 @@ if TYPE_CHECKING:
     from reshard_svc.runtime.state_dict import LocalShard, LocalShards
     from reshard_svc.runtime.transfer import TransferResult, transfer
     from reshard_svc.sessions.fast import FastTier, RestoreInfo
-    from reshard_svc.sessions.manager import CheckpointManager
+    from reshard_svc.sessions.manager import CheckpointManager, Saved
     from reshard_svc.sessions.sync import SyncResult, WeightSync
 
 __all__ = [
@@ -129,6 +130,7 @@ __all__ = [
     "Replicate",
     "ReshardError",
     "SaveFailedError",
+    "Saved",
     "Shard",
     "StateDictError",
     "StorageError",
