@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from reshard_svc.format.index import Chunk
 from reshard_svc.format.reader import DCP_SHARDING_INFO, SAVE_TOKEN_KEY
@@ -22,7 +23,7 @@ from reshard_svc.format.safetensors import dtype_from_name, encode_header
 from reshard_svc.layout import Box, choose_writers
 from reshard_svc.plan.items import Holdings
 
-__all__ = ["FileSpec", "SavePlan", "plan_save"]
+__all__ = ["FileSpec", "SavePlan", "plan_save", "rank_files"]
 
 DCP_VERSION = "1.0"
 
@@ -63,33 +64,58 @@ def plan_save(
     files: list[FileSpec] = []
     chunks: dict[str, list[Chunk]] = {name: [] for name in tensors}
     for rank in sorted(per_rank):
-        groups: list[list[tuple[str, Box]]] = []
-        seen: dict[str, int] = {}
-        for name, box in per_rank[rank]:
-            k = seen.get(name, 0)
-            seen[name] = k + 1
-            if k == len(groups):
-                groups.append([])
-            groups[k].append((name, box))
-        for k, entries in enumerate(groups):
-            fname = f"shard-{rank:05d}-{k:03d}{file_suffix}.safetensors"
-            sharding = {n: {"saved_offsets": list(b.offsets)} for n, b in entries}
-            metadata = {
-                DCP_SHARDING_INFO: json.dumps(sharding),
-                "DCP_VERSION": DCP_VERSION,
-                "format": "pt",
-            }
-            if token:
-                # A constant marker, not the token, so equal data gives equal bytes.
-                metadata[SAVE_TOKEN_KEY] = "1"
-            header, ranges = encode_header([(n, dtypes[n], b.sizes) for n, b in entries], metadata)
-            size = max((e for _, e in ranges.values()), default=len(header))
-            for n, b in entries:
-                begin, end = ranges[n]
-                chunks[n].append(Chunk(box=b, file=fname, begin=begin, end=end))
-            files.append(
-                FileSpec(name=fname, writer=rank, entries=tuple(entries), header=header, size=size)
-            )
+        for spec, placed in rank_files(
+            rank, per_rank[rank], dtypes, marked=bool(token), file_suffix=file_suffix
+        ):
+            files.append(spec)
+            for n, c in placed:
+                chunks[n].append(c)
     return SavePlan(
         tuple(files), {n: tuple(sorted(c, key=lambda c: c.box)) for n, c in chunks.items()}
     )
+
+
+def rank_files(
+    rank: int,
+    entries: list[tuple[str, Box]],
+    dtypes: Mapping[str, Any],
+    *,
+    marked: bool = False,
+    file_suffix: str = "",
+) -> list[tuple[FileSpec, list[tuple[str, Chunk]]]]:
+    """The files rank ``rank`` writes for ``entries`` (tensor, box), in order: the k-th box
+    of each tensor in its k-th file (one key per name per file), each header known here,
+    with ``DCP_SHARDING_INFO`` as torch's HF writer records it; and where each box lands.
+    ``marked`` (a staged save): the header says so."""
+    groups: list[list[tuple[str, Box]]] = []
+    seen: dict[str, int] = {}
+    for name, box in entries:
+        k = seen.get(name, 0)
+        seen[name] = k + 1
+        if k == len(groups):
+            groups.append([])
+        groups[k].append((name, box))
+    out = []
+    for k, group in enumerate(groups):
+        fname = f"shard-{rank:05d}-{k:03d}{file_suffix}.safetensors"
+        sharding = {n: {"saved_offsets": list(b.offsets)} for n, b in group}
+        metadata = {
+            DCP_SHARDING_INFO: json.dumps(sharding),
+            "DCP_VERSION": DCP_VERSION,
+            "format": "pt",
+        }
+        if marked:
+            # A constant marker, not the token, so equal data gives equal bytes.
+            metadata[SAVE_TOKEN_KEY] = "1"
+        header, ranges = encode_header([(n, dtypes[n], b.sizes) for n, b in group], metadata)
+        size = max((e for _, e in ranges.values()), default=len(header))
+        placed = [
+            (n, Chunk(box=b, file=fname, begin=ranges[n][0], end=ranges[n][1])) for n, b in group
+        ]
+        out.append(
+            (
+                FileSpec(name=fname, writer=rank, entries=tuple(group), header=header, size=size),
+                placed,
+            )
+        )
+    return out
