@@ -25,7 +25,7 @@ from reshard_svc.storage import Storage
 if TYPE_CHECKING:
     from reshard_svc.runtime.executor import Destination
 
-__all__ = ["CheckedReader", "StorageSource", "as_bytes", "read_bands"]
+__all__ = ["CheckedReader", "StorageSource", "as_bytes", "band_view", "read_bands"]
 
 #: Small reads of one file coalesce into mapped spans up to this size: big enough to share
 #: edge blocks, small enough that one slab waiting for its write keeps little else mapped.
@@ -117,7 +117,7 @@ class CheckedReader:
         return out
 
 
-def _band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def band_view(read: Read, buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if read.encoding == "raw":
         if buf.storage_offset() % dtype.itemsize:
             buf = buf.clone()  # safetensors does not align tensors inside its data section
@@ -205,10 +205,10 @@ class StorageSource:
             landed.add(target[0])
         by_id = {r.id: r for r in verified}
         for rid, raw in (self.checked.read(verified) if verified else {}).items():
-            out[rid] = _band_view(by_id[rid], raw, self.dtypes[by_id[rid].tensor])
+            out[rid] = band_view(by_id[rid], raw, self.dtypes[by_id[rid].tensor])
         bufs = read_bands(self.storage, [(_file(r), r.begin, r.end) for r in buffered])
         for r, b in zip(buffered, bufs):
-            out[r.id] = _band_view(r, b, self.dtypes[r.tensor])
+            out[r.id] = band_view(r, b, self.dtypes[r.tensor])
             self._plain += r.nbytes
         return [out[r.id] for r in mine], landed
 

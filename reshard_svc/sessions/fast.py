@@ -33,7 +33,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -93,6 +93,7 @@ class FastTier:
     memory (the snapshot)."""
 
     path: str
+    _: KW_ONLY
     every: int
     copies: int = 2
     node: int | None = None

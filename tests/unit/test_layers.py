@@ -21,7 +21,7 @@ import reshard_svc
 ROOT = Path(reshard_svc.__file__).parent
 LAYERS = ["layout", "storage", "format", "plan", "jobs", "runtime", "sessions"]
 BASE = {"errors", "_version", "_collector", "_process"}
-TOP = {"worker"}  # `python -m reshard_svc.worker`; the package's __init__ is top too
+TOP = {"worker", "dcp"}  # `python -m reshard_svc.worker`; the package's __init__ is top too
 
 
 def layer_of(module: str) -> int:
