@@ -320,7 +320,7 @@ def test_a_retirement_killed_midway_is_finished_by_the_next(tmp_path, monkeypatc
     """Retention removes a step's index, then the files it lists. Killed after any of its
     removals, the next save's retention finishes it from the retirement record, and a file
     that is not the checkpoint's stays with its folder."""
-    from reshard_svc.sessions.manager import list_steps
+    from reshard_svc.sessions.steps import list_steps
     from reshard_svc.storage.local import LocalStorage
 
     root = tmp_path / "run"

@@ -382,7 +382,7 @@ def steps(
     retention policy (--keep-last, --keep-every) would keep; with --fast, the fast tier's
     steps on this node too. Changes nothing."""
     from reshard_svc.errors import ReshardError
-    from reshard_svc.sessions.manager import list_steps
+    from reshard_svc.sessions.steps import list_steps
 
     try:
         rows = list_steps(root, keep_last=keep_last, keep_every=keep_every, fast=fast)
