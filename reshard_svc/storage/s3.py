@@ -229,7 +229,9 @@ class S3Storage(FsspecStorage):
                 **condition,
             )
         except (FileExistsError, OSError) as e:
-            if not _precondition_failed(e):
+            # If-Match on a lease another run removed meanwhile: S3 answers 404, not 412
+            gone = "IfMatch" in condition and _no_such_key(e)
+            if not (_precondition_failed(e) or gone):
                 raise StorageError(f"write the lease {self.lease_path()}: {e}") from e
             return None
         return str(out["ETag"]).strip('"')
@@ -291,3 +293,12 @@ def _precondition_failed(e: BaseException) -> bool:
         return True
     text = f"{e} {e.__cause__!r}"
     return "PreconditionFailed" in text or "412" in text or "At least one of the pre" in text
+
+
+def _no_such_key(e: BaseException) -> bool:
+    """A 404 for the object itself (s3fs raises FileNotFoundError, or an OSError naming
+    NoSuchKey)."""
+    if isinstance(e, FileNotFoundError):
+        return True
+    text = f"{e} {e.__cause__!r}"
+    return "NoSuchKey" in text or "The specified key does not exist" in text

@@ -150,6 +150,11 @@ def test_the_lease_changes_only_by_compare_and_swap(root):
     assert storage.read_lease().record == b'{"token": "c"}'
     storage.drop_lease(v3)
     assert storage.read_lease() is None
+    # a renewal or take-over of a lease another run removed meanwhile: lost, not an error
+    with pytest.raises(LeaseLost):
+        storage.renew_lease(v3, b'{"token": "c", "n": 2}')
+    with pytest.raises(LeaseLost):
+        storage.replace_lease(v3, b'{"token": "f"}', "f" * 32)
     assert storage.create_lease(b'{"token": "e"}', "e" * 32)
 
 
