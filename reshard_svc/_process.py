@@ -103,10 +103,15 @@ def fork_call(fn: Callable[[], Any], what: str, ignore: Iterable[int] = ()) -> C
     (a job's stop signals) are the parent's to handle, and the child finishes its work.
     """
     read_fd, write_fd = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: no return
         code = 0
         try:
+            # it never outlives its parent: a killed trainer takes its writer along (what
+            # the child writes commits only through the parent)
+            if set_pdeathsig(signal.SIGKILL) and os.getppid() != parent:
+                os._exit(1)
             for sig in ignore:
                 signal.signal(sig, signal.SIG_IGN)
             os.close(read_fd)
