@@ -124,17 +124,21 @@ class _Snapshot:
         self.placed: dict[str, Placed] = {}
         self.extras: dict[str, Any] = {}
 
-    def take(self, state: Mapping[str, Any], views: bool = False) -> None:
-        """Copy this rank's tensors into the staging buffers; with ``views``, contiguous
-        CPU boxes stay the live views (a forked writer's copy-on-write memory holds them)."""
+    def take(self, state: Mapping[str, Any]) -> bool:
+        """Copy this rank's tensors into the staging buffers; when a forked writer may
+        snapshot them (CPU tensors), contiguous boxes stay the live views instead (its
+        copy-on-write memory holds them). Returns whether it may."""
         placed: dict[str, Placed] = {}
         extras: dict[str, Any] = {}
-        used = set()
+        described: dict[str, Placed] = {}
         for name, leaf in flatten(state).items():
             if leaf.kind == "extra":
                 extras[name] = json.loads(json.dumps(leaf.value))
-                continue
-            live = describe(leaf)
+            else:
+                described[name] = describe(leaf)
+        views = can_fork(v for p in described.values() for v in p.local.values())
+        used = set()
+        for name, live in described.items():
             copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
             for box, view in live.local.items():
                 if views and view.device.type == "cpu" and view.is_contiguous():
@@ -153,6 +157,7 @@ class _Snapshot:
         for key in set(self.buffers) - used:
             del self.buffers[key]
         self.placed, self.extras = placed, extras
+        return views
 
 
 # ---- who sends its part to whom
@@ -255,9 +260,7 @@ class FastSaves:
         self.wait()
         if step == self._counted:
             return  # this run's fast step of this number already counts (a forced save)
-        leaves = [describe(leaf) for leaf in flatten(state).values() if leaf.kind != "extra"]
-        fork = can_fork(v for p in leaves for v in p.local.values())
-        self._snapshot.take(state, views=fork)
+        fork = self._snapshot.take(state)  # each leaf described once
         prepared: Callable[[], Any] | str | None = None
         if fork:  # the part is written by a copy-on-write child: the stall is the fork
             try:
