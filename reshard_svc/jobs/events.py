@@ -175,6 +175,8 @@ class EventReporter:
         self._cond = threading.Condition()
         self._pending: list[dict[str, Any]] = []
         self._closing = False
+        self._deadline: float | None = None  # set by close(): final events give up then
+        self._closed = threading.Event()  # wakes a retry's back-off when close() comes
         self._thread: threading.Thread | None = None
         self.posted = 0
         self.dropped = 0
@@ -208,22 +210,21 @@ class EventReporter:
         """Flush: wait up to ``final_timeout_s`` for queued events to be delivered."""
         with self._cond:
             self._closing = True
+            self._deadline = time.monotonic() + self.final_timeout_s
             self._cond.notify()
+        self._closed.set()
         if self._thread is not None:
             self._thread.join(self.final_timeout_s + 5)
 
     def _run(self) -> None:
-        deadline: float | None = None
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
                     self._cond.wait()
                 if not self._pending:
                     return
-                if self._closing and deadline is None:
-                    deadline = time.monotonic() + self.final_timeout_s
                 event = self._pending[0]
-            if self._post(event, deadline):
+            if self._post(event):
                 self.posted += 1
             else:
                 self.dropped += 1
@@ -246,8 +247,9 @@ class EventReporter:
         except urllib.error.HTTPError as e:
             return int(e.code), e.read(200).decode(errors="replace")
 
-    def _post(self, event: dict[str, Any], deadline: float | None) -> bool:
-        """POST with backoff; progress gives up after a few tries, final events at close."""
+    def _post(self, event: dict[str, Any]) -> bool:
+        """POST with backoff; progress gives up after a few tries, final events at the
+        deadline :meth:`close` sets (also when close comes while this post is retrying)."""
         delay, tries = 0.2, 0
         while True:
             tries += 1
@@ -272,13 +274,14 @@ class EventReporter:
                 return False
             with self._cond:
                 newer = any(e["event"] == "progress" for e in self._pending[1:])
-                closing = self._closing
+                deadline = self._deadline
             if not final and newer:
                 return False  # a newer progress event supersedes this one
             now = time.monotonic()
-            if closing and deadline is not None and now >= deadline:
+            if deadline is not None and now >= deadline:
                 logger.warning("callback: giving up on the %s event (%s)", event["event"], why)
                 return False
             logger.debug("callback: %s, retrying in %.1f s", why, delay)
-            time.sleep(delay * (0.5 + random.random()))
+            pause = delay * (0.5 + random.random())
+            self._closed.wait(pause if deadline is None else min(pause, deadline - now))
             delay = min(delay * 2, 5.0)

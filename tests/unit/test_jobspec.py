@@ -169,6 +169,20 @@ def test_a_lost_server_never_blocks_the_worker_for_long():
     assert rep.posted == 0 and rep.dropped == 1
 
 
+def test_close_bounds_a_final_event_that_was_already_retrying():
+    """close() during a final event's back-off still gives up at its deadline (the retry
+    loop had started before close and once knew no deadline: close returned after its
+    join timed out, with the event neither posted nor counted)."""
+    rep = EventReporter(None, "http://127.0.0.1:9/unreachable", "tok", final_timeout_s=0.5)
+    rep.send({"event": "error", "error": "boom"})
+    time.sleep(1.5)  # several refused tries and back-offs before close
+    started = time.monotonic()
+    rep.close()
+    assert rep.posted == 0 and rep.dropped == 1
+    assert rep._thread is not None and not rep._thread.is_alive()
+    assert time.monotonic() - started < 5.5  # the join's own limit is 5.5 s
+
+
 def test_the_library_imports_nothing_from_the_server_or_the_client():
     """The job contract lives in ``reshard_svc``; the server and clients depend on it, never
     the other way round (a worker image needs only the library)."""
