@@ -23,6 +23,7 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     ├── TransferError (ValueError)        a live transfer's two sides do not match
     └── DistributedError                  a peer rank failed; carries the peers' messages
         └── TransferAbortedError          a transfer failed mid-way; says what was updated
+            └── EngineFencedError         a failed push could not be undone on this rank
 
 Messages name the thing to fix (the key, the file, the flag), never just "invalid".
 """
@@ -34,6 +35,7 @@ __all__ = [
     "ChecksumError",
     "CorruptCheckpointError",
     "DistributedError",
+    "EngineFencedError",
     "InconsistentIndexError",
     "LayoutError",
     "MissingFileError",
@@ -188,3 +190,10 @@ class TransferAbortedError(DistributedError):
     ) -> None:
         super().__init__(message, failures)
         self.updated, self.untouched = tuple(updated), tuple(untouched)
+
+
+class EngineFencedError(TransferAbortedError):
+    """A weight-sync push failed and this rank's targets could not be put back to the
+    last committed version (its undo journal outgrew ``undo_memory``). The engine on this
+    rank must not serve: ``sync.version`` is None and the session's next push sends it
+    whole pieces (refills it)."""

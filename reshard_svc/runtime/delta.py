@@ -38,7 +38,17 @@ import torch
 
 from reshard_svc.errors import UsageError
 
-__all__ = ["Delta", "Encoding", "apply", "changed", "decode", "encode", "encoded_size", "patch"]
+__all__ = [
+    "Delta",
+    "Encoding",
+    "apply",
+    "changed",
+    "decode",
+    "encode",
+    "encoded_size",
+    "patch",
+    "values_at",
+]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ESCAPE = 0xFFFF
@@ -340,6 +350,20 @@ def patch(region: torch.Tensor, where: torch.Tensor | None, values: torch.Tensor
         ints.view(-1)[where.to(ints.device)] = values
     else:
         ints[torch.unravel_index(where.to(ints.device), region.shape)] = values
+
+
+def values_at(region: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
+    """The elements of ``region`` at ``where`` (as :func:`patch` takes it: None for every
+    element, a bool mask or int64 flat positions), as integers, copied to the host:
+    ``patch(region, where, values_at(region, where))`` puts them back."""
+    flat = _as_ints(region.detach()).reshape(-1)
+    if where is None:
+        taken = flat.clone() if flat.data_ptr() == region.data_ptr() else flat
+    elif where.dtype == torch.bool:
+        taken = flat[where.to(flat.device).reshape(-1)]
+    else:
+        taken = flat[where.to(flat.device)]
+    return taken.cpu()
 
 
 def apply(old: torch.Tensor, kind: int, payload: torch.Tensor) -> None:

@@ -41,14 +41,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 
 from reshard_svc._collector import collector_paused
-from reshard_svc.errors import DistributedError, TransferAbortedError, TransferError, UsageError
-from reshard_svc.plan.budget import Budget
+from reshard_svc.errors import (
+    DistributedError,
+    EngineFencedError,
+    TransferAbortedError,
+    TransferError,
+    UsageError,
+)
+from reshard_svc.plan.budget import Budget, parse_size
 from reshard_svc.plan.cache import PlanCache
 from reshard_svc.plan.transfer import Cat, TransferPlan
 from reshard_svc.runtime.comm import Comm
@@ -61,7 +67,7 @@ from reshard_svc.runtime.transfer import (
     agreed_plan,
     check_sources,
 )
-from reshard_svc.sessions.sync_codec import Agreed, Codec, Geometry, Landing, Records
+from reshard_svc.sessions.sync_codec import Agreed, Codec, Geometry, Journal, Landing, Records
 
 __all__ = ["SyncResult", "WeightSync"]
 
@@ -70,7 +76,9 @@ __all__ = ["SyncResult", "WeightSync"]
 class SyncResult:
     """One push on this rank: the version, the target tensors written, the waves, the
     bytes this rank sent (encoded) against what a full push sends from it, the bytes it
-    received, how many pieces it sent as deltas and whole, and the wall time."""
+    received, how many pieces it sent as deltas and whole, how it sent them
+    (``encodings``: ``whole`` where no delta was possible, else the encoding the cost
+    model chose: ``raw``, ``mask``, ``runs``, ``gaps``), and the wall time."""
 
     version: int
     updated: tuple[str, ...]
@@ -83,6 +91,7 @@ class SyncResult:
     plan_cached: bool
     held_until_commit: bool
     seconds: float
+    encodings: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -108,7 +117,10 @@ class WeightSync:
     passes ``None`` for a side it does not hold). Building a session communicates
     nothing; the first ``begin()`` plans. ``delta`` sends only changed elements from the
     second push on (keeping a copy of what each rank sent); ``verify`` checks every
-    landed piece's CRC32C against its sender's before it is written.
+    landed piece's CRC32C against its sender's before it is written. ``undo_memory``
+    (default 1 GiB) bounds the host memory a receiving rank keeps of what a push
+    overwrote, to undo it if the push fails; a failure after a push outgrew it fences
+    the rank (:class:`~reshard_svc.errors.EngineFencedError`).
     """
 
     def __init__(
@@ -121,8 +133,10 @@ class WeightSync:
         max_memory: int | str | None = None,
         delta: bool = True,
         verify: bool = False,
+        undo_memory: int | str = "1GiB",
     ) -> None:
         self._comm = Comm(process_group)
+        self._undo_memory = parse_size(undo_memory, "undo_memory") or 0
         self._src, self._dst = src, dst
         self._names, self._budget = names, Budget.of(max_memory, "transfer")
         self._delta, self._verify = bool(delta), bool(verify)
@@ -138,12 +152,13 @@ class WeightSync:
     @property
     def version(self) -> int | None:
         """The version this rank's targets hold (None before the first commit, after
-        :meth:`invalidate`, or when its waves hold different versions)."""
-        held = self._records.held
-        seen = set(held.values())
-        if not held or len(seen) != 1:
+        :meth:`invalidate`, when a failed push fenced them, or when its waves hold
+        different versions)."""
+        if self._geometry is None:
             return None
-        return next(iter(seen))
+        held = self._records.held
+        seen = {held.get(w) for w in range(len(self._geometry.plan.waves))}
+        return next(iter(seen)) if len(seen) == 1 else None  # {None} included
 
     @property
     def committed(self) -> int | None:
@@ -263,20 +278,7 @@ class WeightSync:
                     codec=codec,
                 )
         except Exception as e:
-            self._push = None
-            self._remember(landing.updated, push.local.dst)
-            done = tuple(landing.updated)
-            rest = tuple(n for n in plan.tensors if n not in set(done))
-            failures = e.failures if isinstance(e, DistributedError) else {comm.rank: str(e)}
-            raise TransferAbortedError(
-                f"{e}. Push of version {push.version}: {len(done)} target tensor(s) were "
-                f"written whole before the failure (TransferAbortedError.updated); the other "
-                f"{len(rest)} are untouched and every rank keeps the version it had",
-                failures,
-                updated=done,
-                untouched=rest,
-            ) from e
-        self._remember(landing.updated, push.local.dst)
+            self._fail(push, landing, e)
         push.moved = True
 
     def commit(self) -> SyncResult:
@@ -286,17 +288,20 @@ class WeightSync:
         if landing is None:  # pragma: no cover (update() set it)
             raise UsageError("commit() before update()")
 
-        def write() -> None:
+        def write() -> None:  # held waves, journaled; then every rank says it wrote
             with torch.no_grad():
                 landing.write_parked()
-                if codec is not None:
-                    codec.write_parked()
 
         try:
             self._comm.run_everywhere("sync: committing", write)
-        finally:
-            self._push = None
-            self._remember(landing.updated, push.local.dst)
+        except Exception as e:
+            self._fail(push, landing, e)
+        # every rank has written every wave: the version becomes the records'
+        self._push = None
+        landing.record()
+        if codec is not None:
+            codec.record()
+        self._remember(landing.touched, push.local.dst)
         self._committed = push.version
         rank, plan = self._comm.rank, push.entry.plan
         sent = codec.bytes_sent if codec else plan.sent[rank]
@@ -313,12 +318,55 @@ class WeightSync:
             plan_cached=push.cached,
             held_until_commit=landing.hold,
             seconds=time.perf_counter() - push.start,
+            encodings=dict(codec.encodings) if codec else {},
         )
 
     def abort(self) -> None:
         """Drop the push in flight after ``begin()`` or ``update()`` (every rank calls it
-        instead of ``commit()``): nothing held back is written, every version stays."""
+        instead of ``commit()``; local): what it wrote is undone, every version stays.
+        Raises :class:`~reshard_svc.errors.EngineFencedError` when it cannot be undone."""
+        push, self._push = self._push, None
+        if push is None or push.landing is None:
+            return
+        if not self._undo(push, push.landing):
+            raise EngineFencedError(
+                f"push of version {push.version} aborted, but what it wrote on this rank "
+                f"could not be undone ({_outgrew(self._undo_memory)}): this rank's engine "
+                "must be refilled; the next push sends it whole pieces",
+                updated=(),
+                untouched=(),
+            )
+
+    def _undo(self, push: Push, landing: Landing) -> bool:
+        """Put back what ``push`` wrote on this rank; False: it could not (fenced)."""
+        with torch.no_grad():
+            whole = landing.undo()
+        self._remember(landing.touched, push.local.dst)
+        return whole
+
+    def _fail(self, push: Push, landing: Landing, e: Exception) -> NoReturn:
+        """A push failed on some rank: undo it here and raise (fenced if it cannot be)."""
         self._push = None
+        whole = self._undo(push, landing)
+        plan, comm = push.entry.plan, self._comm
+        failures = e.failures if isinstance(e, DistributedError) else {comm.rank: str(e)}
+        if whole:
+            raise TransferAbortedError(
+                f"{e}. Push of version {push.version} undone: every target on this rank "
+                f"holds what it held before (version {self.version})",
+                failures,
+                updated=(),
+                untouched=tuple(plan.tensors),
+            ) from e
+        raise EngineFencedError(
+            f"{e}. Push of version {push.version} failed and could not be undone on rank "
+            f"{comm.rank} ({_outgrew(self._undo_memory)}): this rank's engine holds a mix "
+            "and must be refilled; sync.version is None and the next push sends it whole "
+            "pieces",
+            failures,
+            updated=(),
+            untouched=(),
+        ) from e
 
     # ---- bookkeeping
 
@@ -336,6 +384,7 @@ class WeightSync:
             records=self._records,
             geometry=geometry,
             version=push.version,
+            journal=Journal(self._undo_memory),
         )
         if not self._delta:
             return landing, None
@@ -345,7 +394,6 @@ class WeightSync:
             geometry=geometry,
             landing=landing,
             dtypes=push.entry.dtypes,
-            hold=hold,
             verify=self._verify,
         )
         return landing, codec
@@ -386,6 +434,10 @@ class WeightSync:
         for name in names:
             if name in dst:
                 self._marks[name] = _mark(dst[name])
+
+
+def _outgrew(budget: int) -> str:
+    return f"what it overwrote outgrew undo_memory={budget} bytes, or could not be written back"
 
 
 def _mark(placed: Placed) -> tuple[tuple[int, int], ...]:

@@ -7,13 +7,15 @@ against what it last sent when the receiver holds that version, else the whole p
 written into the targets once every rank has it, or at commit when the session holds).
 Both are handed the session's :class:`Records` (the version each wave of this rank's
 targets holds, what this rank last sent) and the :class:`Agreed` table of the push, never
-the session itself; they change the records only when a wave is written, and a write that
-fails forgets that wave's records, so the next push sends it whole.
+the session itself. Neither changes the records before every rank has agreed to commit:
+until then a push can be undone. The landing writes through a :class:`Journal` (the
+elements it overwrote, as they were); the codec keeps what it will record (deltas, views
+of the sources) until :meth:`Codec.record`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +38,8 @@ class Records:
     """What one rank's session knows across pushes; the session owns it and hands it to
     each push's landing and codec.
 
-    ``held``: wave -> the version this rank's targets hold (a wave being written is absent
-    until it is whole). ``sent``: wave -> the version of this rank's snapshots, and
+    ``held``: wave -> the version this rank's targets hold (changed only when every rank
+    has committed a push). ``sent``: wave -> the version of this rank's snapshots, and
     ``snapshots``: region -> a copy of what this rank last sent another rank."""
 
     held: dict[int, int | None] = field(default_factory=dict)
@@ -94,31 +96,62 @@ class Geometry:
         )
 
 
+class Journal:
+    """The elements a push overwrote in this rank's targets, as they were (on the host), so
+    that a push that fails on any rank can be undone: a delta's changed elements, a whole
+    piece's region. At most ``budget`` bytes: past it the journal stops keeping and says
+    it cannot undo (the session then fences the rank)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.nbytes = 0
+        self.complete = True
+
+    def keep(self, region: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """Before ``region`` (or its elements at ``where``) is overwritten."""
+        if not self.complete:
+            return
+        size = region.element_size() * (
+            region.numel()
+            if where is None
+            else int(where.sum())
+            if where.dtype == torch.bool
+            else where.numel()
+        )
+        if self.nbytes + size > self.budget:
+            self.complete = False
+            self.entries.clear()
+            return
+        self.entries.append((region, where, delta.values_at(region, where)))
+        self.nbytes += size
+
+    def undo(self) -> bool:
+        """Put every kept element back, newest first; True when the targets are as they
+        were before the push."""
+        whole = self.complete
+        try:
+            for region, where, old in reversed(self.entries):
+                delta.patch(region, where, old)
+        except Exception:  # a target that cannot be written back: the rank is fenced
+            whole = False
+        self.drop()
+        return whole
+
+    def drop(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+        self.complete = True
+
+
+def _forget(region: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """Keep nothing of a region that held no version (the first push, a refill)."""
+
+
 # ---- the destination and the codec
 
 
-class _Parking:
-    """A wave is written once every rank has it, or, holding, parked until commit."""
-
-    hold: bool
-    parked: list[Wave]
-
-    def wave_done(self, wave: Wave) -> None:
-        if self.hold:
-            self.parked.append(wave)
-        else:
-            self._write(wave)
-
-    def write_parked(self) -> None:
-        for wave in self.parked:
-            self._write(wave)
-        self.parked.clear()
-
-    def _write(self, wave: Wave) -> None:
-        raise NotImplementedError
-
-
-class Landing(_Parking, Staging):
+class Landing(Staging):
     """A push's destination on this rank: whole pieces land in staging (the plan's arena),
     deltas are decoded and kept; a wave is written into the targets once every rank has
     it (or at commit, when it is held)."""
@@ -133,12 +166,28 @@ class Landing(_Parking, Staging):
         records: Records,
         geometry: Geometry,
         version: int,
+        journal: Journal,
     ) -> None:
         super().__init__(plan, dst, arena)
         self.hold, self.records, self.geometry, self.version = hold, records, geometry, version
+        self.journal = journal
         self.whole: dict[int, dict[Piece, None]] = {}  # target -> pieces staged whole
         self.patches: list[tuple[Piece, torch.Tensor | None, torch.Tensor]] = []
         self.parked: list[Wave] = []
+        self.written: list[int] = []  # waves written into the targets, in order
+        self.touched: list[str] = []  # their tensors (written, perhaps undone since)
+
+    def wave_done(self, wave: Wave) -> None:
+        """Every rank has the wave: write it, or, holding, park it until commit."""
+        if self.hold:
+            self.parked.append(wave)
+        else:
+            self._write(wave)
+
+    def write_parked(self) -> None:
+        for wave in self.parked:
+            self._write(wave)
+        self.parked.clear()
 
     def region(self, piece: Piece) -> torch.Tensor:
         """The piece's region of its target tensor."""
@@ -154,34 +203,59 @@ class Landing(_Parking, Staging):
 
     def _write(self, wave: Wave) -> None:
         wi = self.geometry.wave_index[id(wave)]
-        self.records.held.pop(wi, None)  # until the wave is whole: a failure here forgets it
+        self.written.append(wi)  # before any byte: a failure inside is undone too
+        self.touched.extend(wave.tensors)
+        # what the targets held is worth keeping only when it was a version
+        keep = self.journal.keep if self.records.held.get(wi) is not None else _forget
         for ti, staged in self.staged.items():
             t = self.plan.targets[ti]
             into = self.dst[t.tensor].local[t.box]
             pieces = self.whole[ti]
             if sum(p.box.numel for p in pieces) == t.box.numel:
+                keep(into)
                 into.copy_(staged)
             else:
                 for p in pieces:
                     at = p.box.slices_in(t.box)
+                    keep(into[at])
                     into[at].copy_(staged[at])
         for p, where, values in self.patches:
-            delta.patch(self.region(p), where, values)
+            region = self.region(p)
+            keep(region, where)
+            delta.patch(region, where, values)
         self.staged.clear()
         self.whole.clear()
         self.patches.clear()
-        names = wave.tensors
+        self._pad(wave.tensors)
+        self.updated.extend(wave.tensors)
+
+    def _pad(self, names: Sequence[str]) -> None:
         for name in names:
             if name in self.dst:
                 self.dst[name].fill_padding()
-        self.records.held[wi] = self.version
-        self.updated.extend(names)
+
+    def undo(self) -> bool:
+        """Put back what this push wrote (a failure on any rank, or an abort): True when
+        the targets hold what they held before it. Either way nothing is recorded."""
+        whole = self.journal.undo()
+        self._pad(self.touched)
+        self.updated.clear()
+        if not whole:  # what the written waves hold is no version: the next push refills
+            for wi in self.written:
+                self.records.held.pop(wi, None)
+        return whole
+
+    def record(self) -> None:
+        """Every rank committed: the waves written hold the push's version."""
+        self.journal.drop()
+        for wi in self.written:
+            self.records.held[wi] = self.version
 
 
 @dataclass(kw_only=True)
-class Codec(_Parking):
+class Codec:
     """Each piece a rank sends to another: a delta against what it last sent when the
-    receiver holds that version, else the whole piece; and, once the wave is written,
+    receiver holds that version, else the whole piece; and, once every rank has committed,
     the sender's record brought up to date."""
 
     records: Records
@@ -190,16 +264,16 @@ class Codec(_Parking):
     landing: Landing
     #: every source tensor's dtype, as its holders pass it
     dtypes: Mapping[str, torch.dtype]
-    hold: bool
     verify: bool
     bytes_sent: int = 0
     bytes_received: int = 0
     deltas: int = 0
     wholes: int = 0
+    #: pieces sent, by how: "whole" (no delta possible), "raw", "mask", "runs", "gaps"
+    encodings: dict[str, int] = field(default_factory=dict)
     #: wave -> {region: the delta sent, or the source view to copy at the write}
     pending: dict[int, dict[Region, delta.Delta | torch.Tensor]] = field(default_factory=dict)
     encoded: dict[Region, delta.Delta] = field(default_factory=dict)
-    parked: list[Wave] = field(default_factory=list)
 
     def _eligible(self, p: Piece, wave: int) -> bool:
         sender = self.geometry.reads[p.read].reader
@@ -214,6 +288,7 @@ class Codec(_Parking):
         if old is None or not self._eligible(piece, wave):
             mine.setdefault(key, data)
             self.wholes += 1
+            self._count("whole")
             self.bytes_sent += piece.nbytes
             return 0, None
         d = self.encoded.get(key)
@@ -221,11 +296,15 @@ class Codec(_Parking):
             d = self.encoded[key] = delta.encode(old, data, raw_payload=False)
             mine[key] = d if d.encoding in (delta.Encoding.RUNS, delta.Encoding.GAPS) else data
         self.deltas += 1
+        self._count(d.encoding.name.lower())
         if d.encoding is delta.Encoding.RAW:
             self.bytes_sent += piece.nbytes
             return 0, None
         self.bytes_sent += d.payload.numel()
         return int(d.encoding), d.payload
+
+    def _count(self, how: str) -> None:
+        self.encodings[how] = self.encodings.get(how, 0) + 1
 
     def decode(self, piece: Piece, encoding: int, payload: torch.Tensor, dest: Any) -> None:
         wave = self.geometry.wave_of_target[piece.target]
@@ -254,17 +333,19 @@ class Codec(_Parking):
 
     def wave_done(self, wave: Wave) -> None:
         self.encoded.clear()
-        super().wave_done(wave)
 
-    def _write(self, w: Wave) -> None:
-        wave = self.geometry.wave_index[id(w)]
+    def record(self) -> None:
+        """Every rank committed: this rank's record of what it sent becomes the push's
+        version (until then it stays the last committed one, which a failed push keeps)."""
         snapshots = self.records.snapshots
-        self.records.sent.pop(wave, None)  # until every record of the wave is new
-        for key, what in self.pending.pop(wave, {}).items():
-            if isinstance(what, delta.Delta):
-                delta.patch(snapshots[key], what.where, what.values)
-            elif key in snapshots:
-                snapshots[key].copy_(what)
-            else:
-                snapshots[key] = what.contiguous().clone()
-        self.records.sent[wave] = self.agreed.version
+        for wave, regions in self.pending.items():
+            self.records.sent.pop(wave, None)  # until every record of the wave is new
+            for key, what in regions.items():
+                if isinstance(what, delta.Delta):
+                    delta.patch(snapshots[key], what.where, what.values)
+                elif key in snapshots:
+                    snapshots[key].copy_(what)
+                else:
+                    snapshots[key] = what.contiguous().clone()
+            self.records.sent[wave] = self.agreed.version
+        self.pending.clear()

@@ -3,7 +3,7 @@ versioned pushes that send only what changed, bitwise equal to the trainer's ten
 every push, through restarts, foreign writes, aborted pushes, dead receivers, re-layouts,
 overlapping meshes, pipeline stages and fused targets.
 
-Two scenarios share one 8-process launch (see ``sync_workloads.scenarios``); the dead
+Three scenarios share one 8-process launch (see ``sync_workloads.scenarios``); the dead
 receiver runs in four processes of its own (an elastic agent would stop the others).
 """
 
@@ -20,7 +20,7 @@ from tests.support.harness import free_port, run
 
 pytestmark = pytest.mark.distributed
 
-SCENARIOS = ["rl_loop", "overlapping_fused_pp"]
+SCENARIOS = ["rl_loop", "overlapping_fused_pp", "atomic_waves"]
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,70 @@ def test_pipeline_stages_into_a_vllm_like_engine(results):
         for later in (second, third):  # no wave taken for overwritten by its neighbours
             assert later["wholes"] == 0 and later["deltas"] > 0
             assert later["sent"] < 0.15 * first["sent"]
+
+
+ENGINE = range(4, 8)
+
+
+def test_a_failure_at_any_wave_leaves_every_engine_on_the_last_committed_version(results):
+    """A receiver (rank 5) and a sender (rank 1) fail at every wave boundary and inside
+    every wave of a push of 8 waves: every rank raises, every engine rank holds version
+    2 bitwise (fused buffers, replicated KV heads and padding included), and the records
+    survive: the next push is a delta."""
+    r = results["atomic_waves"]
+    for rank in range(8):
+        o = r[rank]
+        assert o["waves"] >= 4
+        assert len(o["failures"]) == 4 * o["waves"]
+        assert all(f[3] == "TransferAbortedError" for f in o["failures"]), o["failures"]
+        assert o["mixed"] == 0, (rank, o["failures"])
+        if rank in ENGINE:
+            assert {f[4] for f in o["failures"]} == {2}
+        after = o["after_failures"]
+        assert after["wrong"] == [] and after["version"] == 3
+        if rank < 4:
+            assert after["wholes"] == 0 and after["deltas"] > 0
+
+
+def test_every_density_is_bitwise_and_reports_its_encodings(results):
+    r = results["atomic_waves"]
+    for rank in range(8):
+        for push in r[rank]["densities"]:
+            assert push["wrong"] == [], (rank, push)
+    for rank in range(4):
+        by = {p["density"]: p for p in r[rank]["densities"]}
+        for push in by.values():
+            assert sum(push["encodings"].values()) == push["deltas"] + push["wholes"] > 0
+            assert push["sent"] <= push["full"]
+        assert by[0.0]["sent"] < 0.05 * by[0.0]["full"]
+        assert "raw" in by[1.0]["encodings"]
+        assert set(by[0.0001]["encodings"]) <= {"mask", "runs", "gaps"}
+    assert any("runs" in r[rank]["densities"][-1]["encodings"] for rank in range(4))  # PULSE
+
+
+def test_a_write_failing_on_one_rank_inside_commit_switches_no_rank(results):
+    r = results["atomic_waves"]
+    for label, version, held in (("commit_waves", 10, False), ("commit_one_wave", 12, True)):
+        for rank in range(8):
+            o = r[rank][label]
+            assert o["raised"] == "TransferAbortedError", (label, rank)
+            assert o["wrong"] == [] and o["version"] == version and o["held"] is held
+            assert o["again_wrong"] == []
+
+
+def test_a_push_that_outgrew_its_undo_memory_fences_the_engine_then_refills_it(results):
+    r = results["atomic_waves"]
+    fenced = [rank for rank in ENGINE if r[rank]["fenced"]["raised"] == "EngineFencedError"]
+    assert fenced, {rank: r[rank]["fenced"] for rank in ENGINE}
+    for rank in range(8):
+        o = r[rank]
+        assert o["fenced"]["raised"] in ("TransferAbortedError", "EngineFencedError")
+        if rank in fenced:
+            assert o["fenced"]["version"] is None
+            assert "must be refilled" in o["fenced_message"]
+        else:
+            assert o["fenced"]["version"] == 14
+        assert o["refilled"]["wrong"] == [] and o["refilled"]["version"] == 15
 
 
 def test_a_receiver_that_dies_mid_push_fails_every_rank_and_leaves_no_half_update():

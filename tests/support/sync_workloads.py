@@ -246,7 +246,7 @@ def overlapping_fused_pp() -> dict[str, Any]:
     engine = tw.engine_shards(rank - 4) if rank >= 4 else None
     # several waves into an engine whose fused buffers are shared by tensors of different
     # waves: writing one moves the others' write counters, which is not a foreign write
-    sync = WeightSync(src, engine, max_memory=4096)
+    sync = WeightSync(src, engine, max_memory=1024)
     pushes = []
     for step in range(1, 4):
         if step > 1:
@@ -271,8 +271,205 @@ def _pp_sources(truth: Truth) -> dict[str, Any] | None:
     }
 
 
+def _kept(full: dict[str, torch.Tensor]) -> Truth:
+    t = Truth.__new__(Truth)
+    t.full = {n: v.clone() for n, v in full.items()}
+    return t
+
+
+def _inject(victim: bool, wave: int, where: str) -> Any:
+    """Make this rank fail (if ``victim``) in wave ``wave`` of the next push: at its
+    boundary (after the wave is written) or inside it (receiving, or sending, its first
+    piece). Returns the undo of the injection."""
+    from reshard_svc.sessions import sync_codec as sc
+
+    real = {
+        k: getattr(cls, k)
+        for cls, k in ((sc.Landing, "wave_done"), (sc.Codec, "decode"), (sc.Codec, "encode"))
+    }
+    if not victim:
+        return lambda: None
+
+    def index(self: Any, w: Any) -> int:
+        return int(self.geometry.wave_index[id(w)])
+
+    def wave_of(self: Any, piece: Any) -> int:
+        return int(self.geometry.wave_of_target[piece.target])
+
+    if where == "boundary":
+
+        def wave_done(self: Any, w: Any) -> None:
+            real["wave_done"](self, w)
+            if index(self, w) == wave:
+                raise RuntimeError(f"injected failure after wave {wave}")
+
+        sc.Landing.wave_done = wave_done  # type: ignore[method-assign]
+    else:
+
+        def decode(self: Any, piece: Any, *a: Any) -> None:
+            if wave_of(self, piece) == wave:
+                raise RuntimeError(f"injected failure receiving in wave {wave}")
+            real["decode"](self, piece, *a)
+
+        def encode(self: Any, piece: Any, *a: Any) -> Any:
+            if wave_of(self, piece) == wave:
+                raise RuntimeError(f"injected failure sending in wave {wave}")
+            return real["encode"](self, piece, *a)
+
+        sc.Codec.decode = decode  # type: ignore[method-assign]
+        sc.Codec.encode = encode  # type: ignore[method-assign]
+
+    def restore() -> None:
+        sc.Landing.wave_done = real["wave_done"]  # type: ignore[method-assign]
+        sc.Codec.decode = real["decode"]  # type: ignore[method-assign]
+        sc.Codec.encode = real["encode"]  # type: ignore[method-assign]
+
+    return restore
+
+
+def _rows(truth: Truth, step: int, share: float) -> None:
+    """A PULSE-like update: whole rows of a few matrices change, the rest stays."""
+    for name, t in truth.full.items():
+        if t.dim() != 2 or sum(map(ord, name)) % 3:
+            continue
+        g = torch.Generator().manual_seed(step * 7919 + sum(map(ord, name)))
+        rows = torch.rand(t.shape[0], generator=g) < share
+        fresh = torch.randn(t.shape, generator=g).to(t.dtype)
+        t[rows] = fresh[rows]
+
+
+def atomic_waves() -> dict[str, Any]:
+    """One version everywhere: an FSDP2 x TP trainer (ranks 0-3) pushes into the
+    LocalShard engine (ranks 4-7: fused qkv and gate_up buffers, KV heads replicated on
+    two ranks, a padded vocabulary) under a budget that makes several waves. A failure is
+    injected on a receiver (rank 5) and on a sender (rank 1) at every wave boundary and
+    inside every wave: every rank raises and every engine rank holds the last committed
+    version bitwise. Then densities from 0 to 100 % and a PULSE-like one, a write failing
+    on one rank inside commit() (one wave and several), and an undo budget too small
+    (fenced, then refilled)."""
+    from reshard_svc import EngineFencedError, TransferAbortedError, WeightSync
+    from reshard_svc.sessions import sync_codec as sc
+
+    rank = dist.get_rank()
+    trainer = tw._mesh([0, 1, 2, 3], (2, 2))
+    truth = Truth()
+    src = _sources(trainer, tw.fsdp_tp_placements, truth)
+    engine = tw.engine_shards(rank - 4) if rank >= 4 else None
+    sync = WeightSync(src, engine, max_memory=1024)
+    out: dict[str, Any] = {"failures": [], "mixed": 0, "densities": []}
+
+    def advance(step: int, density: float) -> None:
+        truth.step(step, density)
+        _refresh(src, truth, tw.fsdp_tp_placements)
+
+    res = sync.push(1)
+    out["waves"] = res.waves
+    advance(2, 0.01)
+    sync.push(2)
+    kept, version = _kept(truth.full), 3
+    advance(version, 0.01)
+    for wave in range(res.waves):
+        for victim in (5, 1):
+            for where in ("boundary", "inside"):
+                restore = _inject(rank == victim, wave, where)
+                try:
+                    sync.push(version)
+                    raised = None
+                except TransferAbortedError as e:
+                    raised = type(e).__name__
+                finally:
+                    restore()
+                if raised is None:  # the injection was not reached: a committed push
+                    mixed = engine_wrong(engine, truth) != []
+                    kept, version = _kept(truth.full), version + 1
+                    advance(version, 0.01)
+                else:
+                    mixed = engine_wrong(engine, kept) != [] or sync.version != sync.committed
+                out["mixed"] += int(mixed)
+                out["failures"].append([wave, victim, where, raised, sync.version])
+    # the records survived every failed push: the next push is a delta, bitwise
+    res = sync.push(version)
+    out["after_failures"] = {**_result(res), "wrong": engine_wrong(engine, truth)}
+    for density in (0.0, 0.0001, 0.01, 0.1, 0.5, 1.0, "pulse"):
+        version += 1
+        if density == "pulse":
+            _rows(truth, version, 0.05)
+            _refresh(src, truth, tw.fsdp_tp_placements)
+        else:
+            advance(version, float(density))
+        res = sync.push(version)
+        out["densities"].append(
+            {
+                "density": density,
+                **_result(res),
+                "encodings": dict(res.encodings),
+                "wrong": engine_wrong(engine, truth),
+            }
+        )
+    # a write that fails on one rank inside commit(): no rank switches (several waves:
+    # the agreement fails; one wave: the write fails after writing)
+    one_wave = WeightSync(src, engine)
+    for session, label in ((sync, "commit_waves"), (one_wave, "commit_one_wave")):
+        version += 1
+        if session is one_wave:
+            session.push(version)  # whole: the engine already holds it
+            version += 1
+        kept = _kept(truth.full)
+        advance(version, 0.01)
+        real = sc.Landing.write_parked
+        if rank == 6:
+
+            def write_parked(self: Any, real: Any = real) -> None:
+                real(self)
+                raise OSError("injected failure writing at commit")
+
+            sc.Landing.write_parked = write_parked  # type: ignore[method-assign]
+        try:
+            session.push(version)
+            raised = None
+        except TransferAbortedError as e:
+            raised = type(e).__name__
+        finally:
+            sc.Landing.write_parked = real  # type: ignore[method-assign]
+        out[label] = {
+            "raised": raised,
+            "wrong": engine_wrong(engine, kept),
+            "version": session.version,
+            "held": session.holds_until_commit,
+        }
+        res = session.push(version)  # the same push again lands
+        out[label]["again_wrong"] = engine_wrong(engine, truth)
+    # an undo budget too small: a failure after a wave was written fences the engine
+    small = WeightSync(src, engine, max_memory=1024, undo_memory=1)
+    version += 1
+    small.push(version)
+    version += 1
+    advance(version, 0.01)
+    restore = _inject(rank == 5, 1, "boundary")
+    try:
+        small.push(version)
+        raised = None
+    except TransferAbortedError as e:
+        raised = type(e).__name__
+        out["fenced_message"] = str(e) if isinstance(e, EngineFencedError) else None
+    finally:
+        restore()
+    out["fenced"] = {"raised": raised, "version": small.version}
+    res = small.push(version + (raised is None))
+    out["refilled"] = {
+        **_result(res),
+        "version": small.version,
+        "wrong": engine_wrong(engine, truth),
+    }
+    return out
+
+
 def scenarios(names: list[str]) -> dict[str, Any]:
-    runs = {"rl_loop": rl_loop, "overlapping_fused_pp": overlapping_fused_pp}
+    runs = {
+        "rl_loop": rl_loop,
+        "overlapping_fused_pp": overlapping_fused_pp,
+        "atomic_waves": atomic_waves,
+    }
     return {name: runs[name]() for name in names}
 
 
