@@ -3,13 +3,13 @@ versioned pushes that send only what changed, bitwise equal to the trainer's ten
 every push, through restarts, foreign writes, aborted pushes, dead receivers, re-layouts,
 overlapping meshes, pipeline stages and fused targets.
 
-Three scenarios share one 8-process launch (see ``sync_workloads.scenarios``); the dead
-receiver runs in four processes of its own (an elastic agent would stop the others).
+Three scenarios share one 8-process launch (see ``sync_workloads.scenarios``); the kill
+sweep runs in four processes of its own (an elastic agent would stop the others), a fresh
+one taking each killed one's place.
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 from typing import Any
 
@@ -194,27 +194,60 @@ def test_a_push_that_outgrew_its_undo_memory_fences_the_engine_then_refills_it(r
         assert o["refilled"]["wrong"] == [] and o["refilled"]["version"] == 15
 
 
-def test_a_receiver_that_dies_mid_push_fails_every_rank_and_leaves_no_half_update():
+WAVES = 6  # the kill sweep's push: max_memory=2048 over the sweep's model
+
+
+def _points() -> list[list[Any]]:
+    """Every wave killed twice: at its boundary and inside it, one by a receiver (rank 3)
+    and one by a sender (rank 1), alternating; then a group with no kill."""
+    points: list[list[Any]] = []
+    for wave in range(WAVES):
+        first, second = (3, 1) if wave % 2 == 0 else (1, 3)
+        points += [[first, wave, "boundary"], [second, wave, "inside"]]
+    return [*points, [None, 0, ""]]
+
+
+def test_a_process_killed_at_any_wave_leaves_every_survivor_on_the_last_version():
+    """SIGKILL of a receiver or a sender at every wave boundary and inside every wave of a
+    6-wave push: every survivor raises and holds version 2 bitwise (or says it is fenced);
+    a fresh process takes the dead one's place in a re-formed group, whose new session
+    lands bitwise. The mixed states counted over every kill point: 0."""
+    points = _points()
+    ports = [free_port() for _ in points]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    ports = (free_port(), free_port())
-    procs = [ctx.Process(target=w.dies_mid_push, args=(r, ports, results)) for r in range(4)]
-    for p in procs:
+    procs = {
+        r: ctx.Process(target=w.kill_sweep, args=(r, points, ports, results, 0)) for r in range(4)
+    }
+    for p in procs.values():
         p.start()
+    exits = []
     try:
-        outs = {o["rank"]: o for o in (results.get(timeout=240) for _ in range(3))}
+        for i, (victim, _, _) in enumerate(points):
+            if victim is None:
+                continue
+            procs[victim].join(120)
+            exits.append(procs[victim].exitcode)
+            procs[victim] = ctx.Process(
+                target=w.kill_sweep, args=(victim, points, ports, results, i + 1)
+            )
+            procs[victim].start()
+        outs = [results.get(timeout=240) for _ in range(3 * (len(points) - 1) + 4)]
     finally:
-        for p in procs:
+        for p in procs.values():
             p.join(60)
             if p.is_alive():
                 p.kill()
-    assert procs[3].exitcode == 17
-    print(json.dumps(outs))
-    for rank in range(3):
-        o = outs[rank]
+    assert exits == [-9] * (len(points) - 1)  # every victim died by SIGKILL
+    mixed = []
+    for o in outs:
         assert "error" not in o, o
-        assert o["raised"] == "TransferAbortedError"
-        assert o["kept_version_2"] and o["version"] == 2
-        regrouped = o["regrouped"]
-        assert regrouped["wrong"] == [] and regrouped["deltas"] == 0
-    assert outs[0]["regrouped"]["sent"] == outs[0]["regrouped"]["full"] > 0
+        assert o["first"]["wrong"] == [] and o["first"]["waves"] == WAVES, o
+        assert o["first"]["deltas"] == 0  # a new session: whole pieces
+        if points[o["point"]][0] is None:
+            assert o["wrong"] == []
+            continue
+        assert o["raised"] in ("TransferAbortedError", "EngineFencedError"), o
+        if not (o["kept"] and o["version"] == 2) and not (o["fenced"] and o["version"] is None):
+            mixed.append(o)
+    assert mixed == []

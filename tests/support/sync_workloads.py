@@ -473,85 +473,6 @@ def scenarios(names: list[str]) -> dict[str, Any]:
     return {name: runs[name]() for name in names}
 
 
-# ---------------------------------------------------------------- a receiver that dies
-
-
-def dies_mid_push(rank: int, ports: tuple[int, int], results: Any) -> None:
-    """Four processes of their own (no elastic agent, which would stop everyone): an FSDP
-    trainer on ranks 0-1 pushes into TP 2 DTensors on ranks 2-3. During the third push
-    rank 3 exits while landing. The others must raise, rank 2 must still hold version 2;
-    then the three survivors form a new group and a new session pushes whole pieces."""
-    import os
-    from datetime import timedelta
-
-    from reshard_svc import DistributedError, WeightSync
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    out: dict[str, Any] = {"rank": rank}
-    try:
-        # a dead peer is noticed when its socket closes, or at this timeout at the latest
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{ports[0]}",
-            rank=rank,
-            world_size=4,
-            timeout=timedelta(seconds=15),
-        )
-        truth = Truth()
-        names = [n for n in tw.trainer_params() if "norm" not in n]
-        src = _sources(tw._mesh([0, 1]), lambda n: ["S(0)"], truth, lambda n: n in names)
-        dst = _targets_of(tw._mesh([2, 3]), names)
-        sync = WeightSync(src, dst)
-        for step in (1, 2):
-            if step > 1:
-                truth.step(step, 0.01)
-                _refresh(src, truth, lambda n: ["S(0)"])
-            sync.push(step)
-        before = {n: t.clone() for n, t in truth.full.items()}
-        truth.step(3, 0.01)
-        _refresh(src, truth, lambda n: ["S(0)"])
-        if rank == 3:
-            from reshard_svc.sessions import sync_codec as runtime
-
-            def decode(self: Any, *a: Any) -> None:
-                os._exit(17)  # the engine process dies while landing
-
-            runtime.Codec.decode = decode  # type: ignore[method-assign]
-        try:
-            sync.push(3)
-            out["raised"] = None
-        except DistributedError as e:
-            out["raised"] = type(e).__name__
-        kept = Truth()
-        kept.full = before
-        out["kept_version_2"] = dtensors_wrong(dst, kept, lambda n: ["S(0)"]) == []
-        out["version"] = sync.version
-        # the survivors regroup: trainer 0-1, one engine rank (TP 1) on new rank 2
-        dist.destroy_process_group()
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{ports[1]}",
-            rank=rank,
-            world_size=3,
-            timeout=timedelta(seconds=60),
-        )
-        src = _sources(tw._mesh([0, 1]), lambda n: ["S(0)"], truth, lambda n: n in names)
-        engine = tw._mesh([2])
-        if rank == 2:
-            dst = {n: tw._dtensor(engine, ["R"], kept.full[n].clone()) for n in names}  # v2
-        else:
-            dst = None
-        res = WeightSync(src, dst).push(3)
-        out["regrouped"] = {**_result(res), "wrong": dtensors_wrong(dst, truth, lambda n: ["R"])}
-        dist.barrier()
-    except Exception as e:  # reported to the test, which fails on it
-        out["error"] = f"{type(e).__name__}: {e}"
-    results.put(out)
-    results.close()
-    results.join_thread()
-    os._exit(0)  # gloo may abort while the interpreter tears down (see harness)
-
-
 def _targets_of(mesh: Any, names: list[str]) -> dict[str, Any] | None:
     if not tw._in(mesh):
         return None
@@ -560,3 +481,110 @@ def _targets_of(mesh: Any, names: list[str]) -> dict[str, Any] | None:
         n: tw._dtensor(mesh, ["S(0)"], torch.full(params[n][0], tw.SENTINEL, dtype=params[n][1]))
         for n in names
     }
+
+
+# ---------------------------------------------------------------- processes killed mid-push
+
+
+def kill_sweep(rank: int, points: list[Any], ports: list[int], results: Any, start: int) -> None:
+    """Four processes of their own, one group per kill point (a fresh process takes the
+    killed one's place): an FSDP trainer on ranks 0-1 pushes into TP 2 DTensors on ranks
+    2-3 with a budget of several waves; at push 3 the point's victim is SIGKILLed at a
+    wave boundary or inside a wave. Each survivor reports whether its engine still holds
+    version 2 bitwise; the next group's new session pushes whole pieces, checked too."""
+    import os
+    import signal
+    from datetime import timedelta
+
+    from reshard_svc import DistributedError, EngineFencedError, WeightSync
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    for i in range(start, len(points)):
+        victim, wave, where = points[i]
+        out: dict[str, Any] = {"rank": rank, "point": i}
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{ports[i]}",
+                rank=rank,
+                world_size=4,
+                timeout=timedelta(seconds=120),  # a fresh process imports torch meanwhile
+            )
+            truth = Truth()
+            src = _sources(tw._mesh([0, 1]), lambda n: ["S(0)"], truth, _not_norm)
+            dst = _targets_of(tw._mesh([2, 3]), [n for n in tw.trainer_params() if _not_norm(n)])
+            # a survivor that talks to no dead peer notices the death at this timeout
+            group = dist.new_group(list(range(4)), timeout=timedelta(seconds=5))
+            sync = WeightSync(src, dst, max_memory=2048, process_group=group)
+            for step in (1, 2):
+                if step > 1:
+                    truth.step(step, 0.01)
+                    _refresh(src, truth, lambda n: ["S(0)"])
+                res = sync.push(step)
+                if step == 1:  # a new session in a re-formed group: whole pieces, bitwise
+                    out["first"] = {**_result(res), "waves": res.waves}
+                    out["first"]["wrong"] = dtensors_wrong(dst, truth, lambda n: ["S(0)"])
+            kept = _kept(truth.full)
+            truth.step(3, 0.01)
+            _refresh(src, truth, lambda n: ["S(0)"])
+            if victim is None:
+                sync.push(3)
+                out["wrong"] = dtensors_wrong(dst, truth, lambda n: ["S(0)"])
+                dist.barrier()
+                results.put(out)
+                break
+            if rank == victim:
+                _inject_kill(wave, where, lambda: os.kill(os.getpid(), signal.SIGKILL))
+            try:
+                sync.push(3)
+                out["raised"] = None
+            except DistributedError as e:
+                out["raised"] = type(e).__name__
+            out["fenced"] = isinstance(out.get("raised"), str) and out["raised"] == (
+                EngineFencedError.__name__
+            )
+            out["version"] = sync.version
+            out["kept"] = dtensors_wrong(dst, kept, lambda n: ["S(0)"]) == []
+        except Exception as e:  # reported to the test, which fails on it
+            out["error"] = f"{type(e).__name__}: {e}"
+        results.put(out)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+    os._exit(0)  # gloo may abort while the interpreter tears down (see harness)
+
+
+def _not_norm(name: str) -> bool:
+    return "norm" not in name
+
+
+def _inject_kill(wave: int, where: str, die: Any) -> None:
+    """This process dies in wave ``wave`` of the next push: after the wave is written
+    (its boundary), or inside it (as it receives, or sends, its first piece)."""
+    from reshard_svc.sessions import sync_codec as sc
+
+    if where == "boundary":
+        real_done = sc.Landing.wave_done
+
+        def wave_done(self: Any, w: Any) -> None:
+            real_done(self, w)
+            if self.geometry.wave_index[id(w)] == wave:
+                die()
+
+        sc.Landing.wave_done = wave_done  # type: ignore[method-assign]
+        return
+    real_decode, real_encode = sc.Codec.decode, sc.Codec.encode
+
+    def decode(self: Any, piece: Any, *a: Any) -> None:
+        if self.geometry.wave_of_target[piece.target] == wave:
+            die()
+        real_decode(self, piece, *a)
+
+    def encode(self: Any, piece: Any, *a: Any) -> Any:
+        if self.geometry.wave_of_target[piece.target] == wave:
+            die()
+        return real_encode(self, piece, *a)
+
+    sc.Codec.decode = decode  # type: ignore[method-assign]
+    sc.Codec.encode = encode  # type: ignore[method-assign]
