@@ -67,7 +67,16 @@ from reshard_svc.runtime.transfer import (
     agreed_plan,
     check_sources,
 )
-from reshard_svc.sessions.sync_codec import Agreed, Codec, Geometry, Journal, Landing, Records
+from reshard_svc.sessions.sync_codec import (
+    Agreed,
+    Codec,
+    Geometry,
+    Journal,
+    Landing,
+    Pool,
+    Records,
+)
+from reshard_svc.sessions.sync_costs import Costs
 
 __all__ = ["SyncResult", "WeightSync"]
 
@@ -103,6 +112,7 @@ class Push:
     entry: TransferEntry
     cached: bool
     agreed: Agreed
+    costs: Costs | None  # every rank's, agreed: the same choices everywhere
     start: float
     landing: Landing | None = None
     codec: Codec | None = None
@@ -146,6 +156,8 @@ class WeightSync:
         self._marks: dict[str, tuple[tuple[int, int], ...]] = {}  # target -> as we left it
         self._committed: int | None = None
         self._push: Push | None = None
+        self._costs: Costs | None = None  # calibrated at the first push with deltas
+        self._pool = Pool()  # the undo journals' host buffers, reused push after push
 
     # ---- what a caller can ask
 
@@ -169,6 +181,12 @@ class WeightSync:
     def snapshot_bytes(self) -> int:
         """Bytes this rank keeps of what it last sent (the cost of delta mode)."""
         return sum(t.numel() * t.element_size() for t in self._records.snapshots.values())
+
+    @property
+    def undo_bytes(self) -> int:
+        """Host bytes this rank keeps for undoing a push (its journal's buffers, at their
+        high-water mark, at most ``undo_memory`` plus one 64 MiB chunk)."""
+        return self._pool.nbytes
 
     @property
     def holds_until_commit(self) -> bool | None:
@@ -226,6 +244,9 @@ class WeightSync:
                 self._new_plan(entry)
             self._notice_foreign_writes(local)
             waves = len(entry.plan.waves)
+            if self._delta and self._costs is None:  # every rank at once: a shared machine
+                self._costs = Costs.calibrate()  # is measured as shared
+            mine = self._costs
 
             def agree() -> dict[str, Any]:  # a bad version fails every rank, not just its own
                 if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -237,6 +258,7 @@ class WeightSync:
                     "sent": [
                         self._records.sent.get(w) if self._delta else None for w in range(waves)
                     ],
+                    "costs": None if mine is None else [mine.fixed, mine.per_change, mine.link],
                 }
 
             _, table = comm.run_everywhere("sync: agreeing on the version", agree)
@@ -253,6 +275,7 @@ class WeightSync:
                 held=[t["held"] for t in table],
                 sent=[t["sent"] for t in table],
             ),
+            costs=Costs.agreed([t["costs"] for t in table if t["costs"] is not None]),
             start=start,
         )
 
@@ -265,6 +288,7 @@ class WeightSync:
         landing, codec = self._destination(push)
         push.landing, push.codec = landing, codec
         comm = self._comm
+        moving = time.perf_counter()
         try:
             with torch.no_grad(), collector_paused():
                 execute(
@@ -279,6 +303,10 @@ class WeightSync:
                 )
         except Exception as e:
             self._fail(push, landing, e)
+        if codec is not None and self._costs is not None:
+            self._costs.measured(
+                sent=codec.bytes_sent, raw=codec.bytes_raw, seconds=time.perf_counter() - moving
+            )
         push.moved = True
 
     def commit(self) -> SyncResult:
@@ -384,9 +412,9 @@ class WeightSync:
             records=self._records,
             geometry=geometry,
             version=push.version,
-            journal=Journal(self._undo_memory),
+            journal=Journal(self._undo_memory, self._pool),
         )
-        if not self._delta:
+        if not self._delta or push.costs is None:
             return landing, None
         codec = Codec(
             records=self._records,
@@ -395,6 +423,7 @@ class WeightSync:
             landing=landing,
             dtypes=push.entry.dtypes,
             verify=self._verify,
+            costs=push.costs,
         )
         return landing, codec
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from reshard_svc.errors import DistributedError
@@ -29,6 +30,7 @@ from reshard_svc.runtime import delta
 from reshard_svc.runtime.buffers import Arena
 from reshard_svc.runtime.targets import Placed
 from reshard_svc.runtime.transfer import Staging, TransferEntry
+from reshard_svc.sessions.sync_costs import Costs
 
 Region = tuple[int, Box]  # a region a sender sends: (read id, box)
 
@@ -96,14 +98,49 @@ class Geometry:
         )
 
 
+class Pool:
+    """Host buffers a session's journals reuse push after push (chunks of at least 64 MiB,
+    kept at their high-water mark): a fresh allocation per push would fault in every
+    page of what it keeps, which costs more than the copy."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.index = self.offset = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def reset(self) -> None:
+        self.index = self.offset = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` bytes (a uint8 view, 64-byte aligned) for this push's use."""
+        size = -(-nbytes // 64) * 64
+        while self.index < len(self.chunks):
+            chunk = self.chunks[self.index]
+            if self.offset + size <= chunk.numel():
+                view = chunk[self.offset : self.offset + nbytes]
+                self.offset += size
+                return view
+            self.index, self.offset = self.index + 1, 0
+        self.chunks.append(torch.empty(max(size, self.CHUNK), dtype=torch.uint8))
+        self.index, self.offset = len(self.chunks) - 1, size
+        return self.chunks[-1][:nbytes]
+
+
 class Journal:
     """The elements a push overwrote in this rank's targets, as they were (on the host), so
     that a push that fails on any rank can be undone: a delta's changed elements, a whole
-    piece's region. At most ``budget`` bytes: past it the journal stops keeping and says
-    it cannot undo (the session then fences the rank)."""
+    piece's region (copied into the session's :class:`Pool`). At most ``budget`` bytes:
+    past it the journal stops keeping and says it cannot undo (the session then fences
+    the rank)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, pool: Pool | None = None) -> None:
         self.budget = budget
+        self.pool = pool if pool is not None else Pool()
         self.entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self.nbytes = 0
         self.complete = True
@@ -112,18 +149,24 @@ class Journal:
         """Before ``region`` (or its elements at ``where``) is overwritten."""
         if not self.complete:
             return
-        size = region.element_size() * (
-            region.numel()
-            if where is None
-            else int(where.sum())
-            if where.dtype == torch.bool
-            else where.numel()
-        )
+        if where is None:
+            count = region.numel()
+        elif where.dtype == torch.bool and where.device.type == "cpu":
+            count = int(np.count_nonzero(where.numpy()))  # torch's sum is 20x slower
+        else:
+            count = int(where.sum()) if where.dtype == torch.bool else where.numel()
+        size = region.element_size() * count
         if self.nbytes + size > self.budget:
             self.complete = False
             self.entries.clear()
             return
-        self.entries.append((region, where, delta.values_at(region, where)))
+        if where is None and count:
+            ints = delta.as_ints(region)
+            old = self.pool.take(size).view(ints.dtype)
+            old.view(region.shape).copy_(ints)
+        else:
+            old = delta.values_at(region, where)
+        self.entries.append((region, where, old))
         self.nbytes += size
 
     def undo(self) -> bool:
@@ -142,6 +185,12 @@ class Journal:
         self.entries.clear()
         self.nbytes = 0
         self.complete = True
+        self.pool.reset()
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+#: a piece the cost model sends raw, without comparing it
+_RAW = delta.Delta(encoding=delta.Encoding.RAW, payload=_NOTHING, where=None, values=_NOTHING)
 
 
 def _forget(region: torch.Tensor, where: torch.Tensor | None = None) -> None:
@@ -265,7 +314,11 @@ class Codec:
     #: every source tensor's dtype, as its holders pass it
     dtypes: Mapping[str, torch.dtype]
     verify: bool
+    #: raw or delta, piece by piece (:mod:`reshard_svc.sessions.sync_costs`)
+    costs: Costs
     bytes_sent: int = 0
+    #: of which whole or raw
+    bytes_raw: int = 0
     bytes_received: int = 0
     deltas: int = 0
     wholes: int = 0
@@ -290,15 +343,22 @@ class Codec:
             self.wholes += 1
             self._count("whole")
             self.bytes_sent += piece.nbytes
+            self.bytes_raw += piece.nbytes
             return 0, None
         d = self.encoded.get(key)
         if d is None:
-            d = self.encoded[key] = delta.encode(old, data, raw_payload=False)
+            share = delta.sampled_density(old, data)
+            if self.costs.delta_pays(piece.nbytes, data.element_size(), share):
+                d = delta.encode(old, data, raw_payload=False)
+            else:
+                d = _RAW
+            self.encoded[key] = d
             mine[key] = d if d.encoding in (delta.Encoding.RUNS, delta.Encoding.GAPS) else data
         self.deltas += 1
         self._count(d.encoding.name.lower())
         if d.encoding is delta.Encoding.RAW:
             self.bytes_sent += piece.nbytes
+            self.bytes_raw += piece.nbytes
             return 0, None
         self.bytes_sent += d.payload.numel()
         return int(d.encoding), d.payload
