@@ -33,6 +33,7 @@ session's targets are compared bitwise with a full transfer's.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -278,16 +279,21 @@ def run_delta(size: str, order: int) -> dict[str, Any]:
     dst = s.fresh_targets()
     sync = reshard_svc.WeightSync(s.src, dst, names=names)
     version = 1
-    out["first_push"] = measure(lambda: sync.push(version))
+    out["first_push"] = measure(lambda sync=sync: sync.push(version))
     for i, (label, share) in enumerate(PUSHES):
         out[f"share_{label}"] = change(s.src, share, seed=1000 * order + i)
         version += 1
         got: dict[str, Any] = {}
-        out[label] = measure(lambda v=version, got=got: got.setdefault("r", sync.push(v)))
+        out[label] = measure(
+            lambda v=version, got=got, sync=sync: got.setdefault("r", sync.push(v))
+        )
         out[label]["session_sent"] = got["r"].bytes_sent
+    out["snapshot_mb"] = sync.snapshot_bytes / 1e6
+    out["undo_mb"] = sync.undo_bytes / 1e6
+    del sync  # its copies and journal buffers go before gen-1 gathers whole tensors
+    gc.collect()
     if order == 1:
         out["gen1"] = measure(lambda: gen1(s, s.fresh_targets()))
-    out["snapshot_mb"] = sync.snapshot_bytes / 1e6
     ours(s, full)  # the same weights, whole
     out["bitwise_equal"] = dst is None or all(
         torch.equal(dst[n].to_local().view(torch.int16), full[n].to_local().view(torch.int16))
@@ -315,6 +321,9 @@ def delta_summary(args: argparse.Namespace, runs: list[list[dict[str, Any]]]) ->
         "first_push_s": med("first_push", "wall_s"),
         "snapshot_mb_per_trainer_rank": round(
             statistics.median(max(r["snapshot_mb"] for r in run) for run in runs), 1
+        ),
+        "undo_mb_per_engine_rank": round(
+            statistics.median(max(r["undo_mb"] for r in run) for run in runs), 1
         ),
     }
     for label, _ in PUSHES:

@@ -12,7 +12,10 @@ communication. The plan:
 - gives every target rank each byte it needs exactly once: a local copy when it holds the
   source itself, else from the least-loaded rank among those holding it (ties rotate with
   the receiver), so sending spreads over every trainer replica
-  (:func:`~reshard_svc.layout.balance.least_loaded`, the rule every planner uses);
+  (:func:`~reshard_svc.layout.balance.least_loaded`, the rule every planner uses); a box
+  that several ranks need (a target replicated on the engine: GQA KV heads, norms) is sent
+  once, in stripes, and forwarded among them (a relay: :attr:`Piece.via`), so no trainer
+  rank sends one copy per replica;
 - packs whole target tensors into waves whose send, receive and staging bytes fit the
   budget on every rank (:func:`~reshard_svc.plan.packing.pack`); a failure can then be
   confined to one wave (see :mod:`reshard_svc.runtime.transfer`).
@@ -24,7 +27,7 @@ The plan speaks :mod:`reshard_svc.plan.items`: each source box a sender uses is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +40,12 @@ from reshard_svc.plan.items import Held, Holdings, Piece, Read, Target, WaveBase
 from reshard_svc.plan.packing import pack
 
 __all__ = ["Cat", "Holdings", "TransferPlan", "TransferWave", "plan_transfer"]
+
+#: A target box needed by at least this many ranks that do not hold its source, and by more
+#: of them than hold it, is relayed: sent once, in stripes, and forwarded among its
+#: receivers (a target replicated on the engine). Fewer receivers than source replicas are
+#: each fed directly by one replica.
+RELAY_FROM = 2
 
 
 @dataclass(frozen=True)
@@ -241,34 +250,95 @@ def _tensor(
             ) from None
         held += [(s, h, _shift(h.box, dim, offset), offset, dim) for h in side.held]
     targets = [Target(tensor=name, box=h.box, holders=h.holders) for h in target.held]
-    wanted = [(ti, r) for ti, t in enumerate(targets) for r in t.holders]
     reads: dict[tuple[int, int], Read] = {}  # (held index, sender) -> read
     pieces: list[Piece] = []
     cost = np.zeros(world, dtype=np.int64)
     for t in targets:
         for r in t.holders:
             cost[r] += t.box.numel * target.itemsize  # staging
-    for o in overlaps([h[2] for h in held], [targets[ti].box for ti, _ in wanted]):
-        s, h, shifted, offset, dim = held[o.src]
-        ti, receiver = wanted[o.dst]
-        nbytes = o.box.numel * target.itemsize
-        sender = least_loaded(h.holders, load, prefer={receiver: nbytes}, turn=receiver)
-        if sender != receiver:
-            load[sender] += nbytes
-            cost[sender] += nbytes
-            cost[receiver] += nbytes
-        key = (o.src, sender)
-        read = reads.get(key)
+
+    def read_of(o_src: int, sender: int) -> Read:
+        s, h, shifted, offset, _ = held[o_src]
+        read = reads.get((o_src, sender))
         if read is None:
-            read = reads[key] = Read(
+            read = reads[(o_src, sender)] = Read(
                 id=len(reads),
                 tensor=s,
                 box=shifted,
                 reader=sender,
                 origin=h.box if offset else None,
             )
-        pieces.append(Piece(read=read.id, box=o.box, target=ti, dest=receiver, nbytes=nbytes))
+        return read
+
+    for o in overlaps([h[2] for h in held], [t.box for t in targets]):
+        h = held[o.src][1]
+        nbytes = o.box.numel * target.itemsize
+        sources = set(h.holders)
+        holders = targets[o.dst].holders
+        remote = [r for r in holders if r not in sources]  # the rest copy in place
+        # relayed when its receivers outnumber the ranks that could send it to them
+        relay = len(remote) >= RELAY_FROM and len(remote) > len(sources)
+        for receiver in sorted(sources & set(holders)) if relay else holders:
+            sender = least_loaded(h.holders, load, prefer={receiver: nbytes}, turn=receiver)
+            if sender != receiver:
+                load[sender] += nbytes
+                cost[sender] += nbytes
+                cost[receiver] += nbytes
+            read = read_of(o.src, sender)
+            pieces.append(
+                Piece(read=read.id, box=o.box, target=o.dst, dest=receiver, nbytes=nbytes)
+            )
+        if relay:
+            pieces += _relayed(
+                o.box, o.dst, remote, h.holders, target.itemsize, load, cost, read_of, o.src
+            )
     return _Tensor(name=name, reads=list(reads.values()), pieces=pieces, targets=targets, cost=cost)
+
+
+def _relayed(
+    box: Box,
+    ti: int,
+    remote: list[int],
+    senders: Sequence[int],
+    itemsize: int,
+    load: list[int],
+    cost: np.ndarray,
+    read_of: Callable[[int, int], Read],
+    src: int,
+) -> list[Piece]:
+    """A box that ``remote`` ranks (none holding its source) all need: cut by rows into one
+    stripe per receiver; the sender sends each stripe once, to its via (a receiver, each
+    in turn), and the via forwards it to the other receivers (the executor's relay round).
+    So the sender sends one copy, not one per receiver, and each receiver forwards about
+    one copy in all."""
+    n = len(remote)
+    sender = least_loaded(senders, load, turn=remote[0])
+    read = read_of(src, sender)
+    out = []
+    for j, stripe in enumerate(_stripes(box, n)):
+        nbytes = stripe.numel * itemsize
+        via = remote[(j + ti) % n]
+        load[sender] += nbytes
+        load[via] += nbytes * (n - 1)
+        cost[sender] += nbytes
+        cost[via] += nbytes * (n - 1)
+        for r in remote:
+            cost[r] += nbytes
+            out.append(Piece(read=read.id, box=stripe, target=ti, dest=r, nbytes=nbytes, via=via))
+    return out
+
+
+def _stripes(box: Box, n: int) -> list[Box]:
+    """``box`` cut along dim 0 into at most ``n`` stripes of about equal rows."""
+    if box.ndim == 0 or box.sizes[0] < 2:
+        return [box]
+    rows, k = box.sizes[0], min(n, box.sizes[0])
+    cuts = [rows * j // k for j in range(k + 1)]
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        offsets = (box.offsets[0] + a, *box.offsets[1:])
+        out.append(Box.trusted(offsets, (b - a, *box.sizes[1:])))
+    return out
 
 
 # ---- waves
@@ -289,11 +359,17 @@ def _assemble(per_tensor: list[_Tensor], world: int, budget: Budget) -> Transfer
             n_reads += len(t.reads)
             targets += t.targets
             for p in t.pieces:
-                sender = t.reads[p.read].reader
+                reader = t.reads[p.read].reader
+                sender = p.sender(reader)
                 piece = Piece(
-                    read=p.read + r0, box=p.box, target=p.target + t0, dest=p.dest, nbytes=p.nbytes
+                    read=p.read + r0,
+                    box=p.box,
+                    target=p.target + t0,
+                    dest=p.dest,
+                    nbytes=p.nbytes,
+                    via=p.via,
                 )
-                keyed.append(((sender, p.dest, piece.read, p.box), piece))
+                keyed.append(((reader, p.dest, piece.read, p.box), piece))
                 total += p.nbytes
                 if sender == p.dest:
                     copied[sender] += p.nbytes

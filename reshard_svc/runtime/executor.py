@@ -77,6 +77,11 @@ class Codec(Protocol):
         """Every rank has landed ``wave`` (after ``dest.wave_done``)."""
         ...
 
+    def forwarded(self, piece: Piece, nbytes: int) -> None:
+        """This rank forwarded ``piece`` (as it received it, ``nbytes`` encoded) in a
+        relay round."""
+        ...
+
 
 class Source(Protocol):
     """Where this rank's reads come from."""
@@ -207,6 +212,9 @@ class _Step:
         self.got: dict[str, int] = {}
         #: stripes this rank forwards: (read, box) -> as received in the first round
         self.forward: dict[tuple[int, Any], torch.Tensor] = {}
+        #: with a codec: (read, box) -> (head, CRC32C of the decoded stripe or None)
+        self.forward_heads: dict[tuple[int, Any], tuple[int, int | None]] = {}
+        self.relay_round = False
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         if self.arena is not None:
@@ -271,10 +279,12 @@ class _Step:
 
     def _exchange_sizes(self) -> None:
         """Each crossing piece's encoded size and encoding, from its sender to its
-        receiver (counts per pair are in the plan); then the data's receive splits."""
+        receiver (counts per pair are in the plan); then the data's receive splits. In
+        the relay round: each relayed stripe's, from its via."""
         w, me, world = self.w, self.comm.rank, self.comm.world
+        pieces = w.relayed if self.relay_round else w.crossing
         counts_out, counts_in = [0] * world, [0] * world
-        for p in w.crossing:
+        for p in pieces:
             if w.sender(p) == me:
                 counts_out[p.dest] += 8
             if p.dest == me:
@@ -286,7 +296,7 @@ class _Step:
         self.heads = got.cpu().view(torch.int64).tolist() if got.numel() else []
         self.recv_splits = [0] * world
         at = 0
-        for p in w.crossing:
+        for p in pieces:
             if p.dest == me:
                 head = self.heads[at]
                 if head < 0:
@@ -329,7 +339,14 @@ class _Step:
                 head = self.heads[at]
                 at += 1
                 size = head >> 8
-                self.codec.decode(p, head & 0xFF, self.recv[off : off + size], dest)
+                payload = self.recv[off : off + size]
+                self.codec.decode(p, head & 0xFF, payload, dest)
+                if p.via == me:  # forwarded as received, encoded (its receivers decode it)
+                    self.forward[(p.read, p.box)] = payload
+                    self.forward_heads[(p.read, p.box)] = (
+                        head,
+                        _crc(dest.view(p)) if verify else None,
+                    )
                 off += aligned(size)
                 continue
             data = self._typed(self.recv[off : off + p.nbytes], p)
@@ -345,6 +362,10 @@ class _Step:
         return raw.view(self.source.dtype(self.w.readers[p.read].tensor)).view(p.box.sizes)
 
     def _pack_relayed(self, verify: bool) -> None:
+        self.relay_round = True
+        if self.codec is not None:
+            self._pack_relayed_encoded(self.codec, verify)
+            return
         w, me = self.w, self.comm.rank
         self.send_splits = [0] * self.comm.world
         self.recv_splits = [0] * self.comm.world
@@ -367,16 +388,50 @@ class _Step:
         self.forward.clear()
         self.recv = relay_recv
 
+    def _pack_relayed_encoded(self, codec: Codec, verify: bool) -> None:
+        """The stripes this rank forwards, as it received them (encoded); their receivers
+        learn the sizes in the relay round's :meth:`exchange`."""
+        w, me = self.w, self.comm.rank
+        self.send_splits = [0] * self.comm.world
+        self.heads = []
+        out = []
+        for p in w.relayed:
+            if p.via != me:
+                continue
+            key = (p.read, p.box)
+            head, crc = self.forward_heads[key]
+            self.heads.append(head)
+            self.send_splits[p.dest] += aligned(head >> 8)
+            out.append((self.forward[key], head >> 8))
+            codec.forwarded(p, head >> 8)
+            if verify and crc is not None:
+                self.sent[_key(p)] = crc
+        self.send = self._buffer(sum(self.send_splits))
+        off = 0
+        for payload, size in out:
+            self.send[off : off + size].copy_(payload)
+            off += aligned(size)
+        self.forward.clear()
+        self.forward_heads.clear()
+
     def land_relayed(self, dest: Destination) -> None:
         """The second round's stripes for this rank (after :meth:`exchange` again)."""
         if not self.w.relays or self.comm.world == 1:
             return
-        off = 0
+        off = at = 0
         me = self.comm.rank
         for p in self.w.relayed:
-            if p.dest == me:
-                _land(dest, p, self._typed(self.recv[off : off + p.nbytes], p))
-                off += aligned(p.nbytes)
+            if p.dest != me:
+                continue
+            if self.codec is not None:
+                head = self.heads[at]
+                at += 1
+                size = head >> 8
+                self.codec.decode(p, head & 0xFF, self.recv[off : off + size], dest)
+                off += aligned(size)
+                continue
+            _land(dest, p, self._typed(self.recv[off : off + p.nbytes], p))
+            off += aligned(p.nbytes)
 
     def run(
         self, dest: Destination, verify: bool, what: str, before: Callable[[], None]
@@ -465,8 +520,8 @@ def execute(
 
     ``arena`` (kept by the caller between runs) provides the exchange buffers, so a plan
     run again faults in no new memory. ``verify`` compares every piece's CRC32C as sent
-    and as landed before ``wave_done``. ``codec`` sends crossing pieces encoded (a plan
-    with relays cannot: they forward pieces as received). A failure anywhere raises on every rank at the
+    and as landed before ``wave_done``. ``codec`` sends crossing pieces encoded (a relay
+    forwards them as it received them). A failure anywhere raises on every rank at the
     wave's next agreement: the rank that failed re-raises its own error, the others a
     :class:`~reshard_svc.errors.DistributedError` naming it.
     """
@@ -486,8 +541,6 @@ def execute(
         w = _MyWave.of(wave, me)
         if arena is not None:
             arena.reset()
-        if codec is not None and w.relays:
-            raise ValueError("a codec cannot run a plan that relays pieces")
         step = _Step(w, plan, source, comm, arena, codec)
         reports = step.run(dest, verify, f"{label}wave {i + 1}/{len(waves)}", raise_pending)
         if verify:

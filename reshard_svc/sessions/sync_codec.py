@@ -75,11 +75,14 @@ class Geometry:
     wave_of_name: dict[str, int]
     wave_index: dict[int, int]  # id(wave) -> index
     reads: dict[int, Read]
+    #: a relayed stripe -> every rank it reaches (a delta must suit them all)
+    relayed: dict[Region, tuple[int, ...]]
 
     @classmethod
     def of(cls, entry: TransferEntry) -> Geometry:
         plan = entry.plan
         of_target, of_name, index, reads = {}, {}, {}, {}
+        relayed: dict[Region, list[int]] = {}
         for wi, wave in enumerate(plan.waves):
             index[id(wave)] = wi
             for name in wave.tensors:
@@ -88,6 +91,8 @@ class Geometry:
                 reads[r.id] = r
             for p in wave.pieces:
                 of_target[p.target] = wi
+                if p.via >= 0:
+                    relayed.setdefault((p.read, p.box), []).append(p.dest)
         return cls(
             plan_id=entry.plan_id,
             plan=plan,
@@ -95,6 +100,7 @@ class Geometry:
             wave_of_name=of_name,
             wave_index=index,
             reads=reads,
+            relayed={k: tuple(v) for k, v in relayed.items()},
         )
 
 
@@ -319,6 +325,8 @@ class Codec:
     bytes_sent: int = 0
     #: of which whole or raw
     bytes_raw: int = 0
+    #: of which forwarded for a relay (received from a sender, sent on as received)
+    bytes_forwarded: int = 0
     bytes_received: int = 0
     deltas: int = 0
     wholes: int = 0
@@ -329,9 +337,16 @@ class Codec:
     encoded: dict[Region, delta.Delta] = field(default_factory=dict)
 
     def _eligible(self, p: Piece, wave: int) -> bool:
+        """A delta suits every rank the piece reaches (a relayed stripe's receivers all
+        decode what its via forwards)."""
         sender = self.geometry.reads[p.read].reader
         base = self.agreed.sent[sender][wave]
-        return base is not None and self.agreed.held[p.dest][wave] == base
+        dests = self.geometry.relayed.get((p.read, p.box), (p.dest,))
+        return base is not None and all(self.agreed.held[d][wave] == base for d in dests)
+
+    def forwarded(self, piece: Piece, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.bytes_forwarded += nbytes
 
     def encode(self, piece: Piece, data: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         wave = self.geometry.wave_of_target[piece.target]

@@ -3,7 +3,7 @@ versioned pushes that send only what changed, bitwise equal to the trainer's ten
 every push, through restarts, foreign writes, aborted pushes, dead receivers, re-layouts,
 overlapping meshes, pipeline stages and fused targets.
 
-Three scenarios share one 8-process launch (see ``sync_workloads.scenarios``); the kill
+Four scenarios share one 8-process launch (see ``sync_workloads.scenarios``); the kill
 sweep runs in four processes of its own (an elastic agent would stop the others), a fresh
 one taking each killed one's place.
 """
@@ -20,7 +20,7 @@ from tests.support.harness import free_port, run
 
 pytestmark = pytest.mark.distributed
 
-SCENARIOS = ["rl_loop", "overlapping_fused_pp", "atomic_waves"]
+SCENARIOS = ["rl_loop", "overlapping_fused_pp", "atomic_waves", "gqa_relay"]
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +192,23 @@ def test_a_push_that_outgrew_its_undo_memory_fences_the_engine_then_refills_it(r
         else:
             assert o["fenced"]["version"] == 14
         assert o["refilled"]["wrong"] == [] and o["refilled"]["version"] == 15
+
+
+def test_kv_heads_replicated_on_four_engine_ranks_are_relayed_not_sent_four_times(results):
+    """The busiest trainer rank sends one copy of what it holds, whole or as deltas (its
+    push report); the engine ranks forward the replicated stripes; bitwise everywhere."""
+    r = results["gqa_relay"]
+    for rank in range(8):
+        for push in r[rank]["pushes"]:
+            assert push["wrong"] == [], (rank, push)
+    for rank in range(4):
+        first, sparse, dense = r[rank]["pushes"]
+        assert first["sent"] == first["full"] == r[rank]["local_bytes"] > 0  # once, not 4x
+        assert sparse["wholes"] == 0 and sparse["deltas"] > 0
+        assert sparse["sent"] < 0.2 * first["sent"]
+        assert dense["sent"] <= dense["full"]
+    for rank in ENGINE:  # each forwards stripes of k, v and the norm to the other three
+        assert r[rank]["pushes"][0]["sent"] > 0
 
 
 WAVES = 6  # the kill sweep's push: max_memory=2048 over the sweep's model

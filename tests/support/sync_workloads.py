@@ -464,11 +464,79 @@ def atomic_waves() -> dict[str, Any]:
     return out
 
 
+def gqa_relay() -> dict[str, Any]:
+    """GQA: one KV head, replicated on all four engine ranks (TP 4: q and o split, k, v and
+    the norm whole on every rank), fed by an FSDP trainer on ranks 0-3. The plan relays
+    the replicated boxes: each trainer rank sends each of its bytes once (its push report
+    says so), the engine ranks forward the stripes among themselves, deltas included."""
+    from reshard_svc import LocalShard, WeightSync
+
+    rank = dist.get_rank()
+    shapes = {
+        "q_proj.weight": (64, 64),
+        "k_proj.weight": (16, 64),
+        "v_proj.weight": (16, 64),
+        "o_proj.weight": (64, 64),
+        "norm.weight": (64,),
+    }
+    g = torch.Generator().manual_seed(5)
+    full = {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n, shape in shapes.items()}
+    trainer = tw._mesh([0, 1, 2, 3])
+    src = None
+    if rank < 4:
+        src = {n: tw._dtensor(trainer, ["S(0)"], t.clone()) for n, t in full.items()}
+    engine = None
+    if rank >= 4:
+        e = rank - 4
+        engine = {
+            "q_proj.weight": LocalShard(
+                torch.zeros(16, 64, dtype=torch.bfloat16), (64, 64), (16 * e, 0)
+            ),
+            "o_proj.weight": LocalShard(
+                torch.zeros(64, 16, dtype=torch.bfloat16), (64, 64), (0, 16 * e)
+            ),
+            **{
+                n: LocalShard(
+                    torch.zeros(shapes[n], dtype=torch.bfloat16), shapes[n], (0,) * len(shapes[n])
+                )
+                for n in ("k_proj.weight", "v_proj.weight", "norm.weight")
+            },
+        }
+
+    def wrong() -> list[str]:
+        bad = []
+        for n, shard in (engine or {}).items():
+            region = tuple(slice(o, o + k) for o, k in zip(shard.offsets, shard.data.shape))
+            if not torch.equal(ints(shard.data), ints(full[n][region])):
+                bad.append(n)
+        return bad
+
+    def change(step: int, density: float) -> None:
+        for n, t in full.items():
+            gen = torch.Generator().manual_seed(step * 31 + len(n))
+            where = torch.rand(t.shape, generator=gen) < density
+            ints(t).view(t.shape)[where] ^= 1
+            if src is not None:
+                want = tw._dtensor(trainer, ["S(0)"], t)
+                src[n].to_local().copy_(want.to_local())
+
+    sync = WeightSync(src, engine)
+    local = sum(t.to_local().numel() * 2 for t in (src or {}).values())
+    pushes = []
+    for step, density in ((1, 0.0), (2, 0.02), (3, 1.0)):
+        if step > 1:
+            change(step, density)
+        res = sync.push(step)
+        pushes.append({**_result(res), "encodings": dict(res.encodings), "wrong": wrong()})
+    return {"pushes": pushes, "local_bytes": local}
+
+
 def scenarios(names: list[str]) -> dict[str, Any]:
     runs = {
         "rl_loop": rl_loop,
         "overlapping_fused_pp": overlapping_fused_pp,
         "atomic_waves": atomic_waves,
+        "gqa_relay": gqa_relay,
     }
     return {name: runs[name]() for name in names}
 

@@ -147,25 +147,34 @@ def test_every_target_element_arrives_once_from_a_holder(problem, budget):
 @given(problems())
 def test_sending_spreads_over_replicas(problem):
     """Replaying the plan in order, each piece is sent by a holder with the least bytes
-    sent so far, and pieces a receiver holds itself are copied, never sent."""
+    sent so far, pieces a receiver holds itself are copied, never sent, and a box more
+    ranks need than hold it is relayed: sent once by a holder, forwarded by receivers."""
     src, dst, names, world = build(*problem)
     plan = plan_transfer(src, dst, names, world, Budget(1 << 40))
     holders = {n: {h.box: h.holders for h in s.held} for n, s in src.items()}
     load = [0] * world
     boxes = {n: [h.box for h in s.held] for n, s in src.items()}
 
-    def made(m):  # the planner's order: target box, its holder, source (Cat order), box
+    def made(m):  # the planner's order: target box, source (Cat order), box, its holder
         read, piece, target, _ = m
         held = boxes[read.tensor].index(read.origin or read.box)
-        return piece.target, target.holders.index(piece.dest), int(read.tensor[1:]), held
+        return piece.target, int(read.tensor[1:]), held, target.holders.index(piece.dest)
 
-    for read, piece, _, _ in sorted(moves(plan), key=made):
+    relayed = any(m[1].via >= 0 for m in moves(plan))
+    for read, piece, target, _ in sorted(moves(plan), key=made):
         hs = holders[read.tensor][read.origin or read.box]
         if piece.dest in hs:
-            assert read.reader == piece.dest
+            assert read.reader == piece.dest and piece.via < 0
             continue
-        assert load[read.reader] == min(load[h] for h in hs)
-        load[read.reader] += piece.nbytes
+        if piece.via >= 0:  # relayed: the via is a receiver, the reader sends it once
+            remote = [h for h in target.holders if h not in hs]
+            assert piece.via in remote and len(remote) > len(hs) and read.reader in hs
+            sender = read.reader if piece.dest == piece.via else piece.via
+        else:
+            if not relayed:  # a relay's load interleaves; without one, least loaded
+                assert load[read.reader] == min(load[h] for h in hs)
+            sender = read.reader
+        load[sender] += piece.nbytes
     assert tuple(load) == plan.sent
 
 
