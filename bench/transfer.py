@@ -28,6 +28,13 @@ count), their ratios to the full transfer, and the sender's snapshot memory; at 
 session's targets are compared bitwise with a full transfer's.
 
     python bench/transfer.py --delta [--size full|small] [--runs 3]
+
+``--link RATE`` (root) runs the same between two emulated hosts: trainer ranks 0-3 in one
+network namespace, inference ranks 4-7 in another, one torchrun node each, joined by a
+veth pair that ``tc`` limits to RATE (``10gbit``, ``1gbit``) both ways (see
+``bench/netlink.py``). Only trainer-to-engine traffic crosses it, as between hosts.
+
+    sudo python bench/transfer.py --delta --link 10gbit [--size full|small] [--runs 3]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+from netlink import EmulatedLink  # noqa: E402
 
 CASES = ("fsdp4_to_tp4", "dp2xtp2_to_2xtp2")
 
@@ -310,6 +318,7 @@ def delta_summary(args: argparse.Namespace, runs: list[list[dict[str, Any]]]) ->
     out: dict[str, Any] = {
         "bench": "transfer",
         "case": "delta, fsdp4_to_tp4",
+        "link": args.link or "loopback",
         "size": args.size,
         "model_bytes": common.model_bytes(args.size),
         "ranks": 8,
@@ -363,6 +372,11 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(common.SIZES), default="full")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--delta", action="store_true", help="the RL loop: a WeightSync session")
+    ap.add_argument(
+        "--link",
+        metavar="RATE",
+        help="trainer and engine ranks on two emulated hosts joined at RATE (root; 10gbit)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     ap.add_argument("--order", type=int, default=0, help=argparse.SUPPRESS)
@@ -372,12 +386,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="reshard-bench-transfer-") as tmp:
         results = os.path.join(tmp, "results.jsonl")
         extra = ["--delta"] if args.delta else []
-        runs = [
-            common.launch(
-                8, __file__, ["--size", args.size, "--order", str(i % 2), *extra], results
-            )
-            for i in range(args.runs)
-        ]
+
+        def argv(i: int) -> list[str]:
+            return ["--size", args.size, "--order", str(i % 2), *extra]
+
+        if args.link:
+            with EmulatedLink(args.link) as link:
+                runs = [link.launch(4, __file__, argv(i), results) for i in range(args.runs)]
+        else:
+            runs = [common.launch(8, __file__, argv(i), results) for i in range(args.runs)]
     if args.delta:
         print(json.dumps(delta_summary(args, runs)))
         return
@@ -396,6 +413,7 @@ def summary(
     out: dict[str, Any] = {
         "bench": "transfer",
         "case": case,
+        "link": args.link or "loopback",
         "size": args.size,
         "model_bytes": common.model_bytes(args.size),
         "ranks": 8,
