@@ -12,29 +12,38 @@ version:
    receiver holds exactly the version the sender last sent it, else the **whole piece**
    (a restarted engine, a new replica, a missed or aborted push, a target written by
    someone else since, the first push, a new plan). Versions must go up.
-2. ``update()`` — the plan runs on the one executor with a codec: the sender compares each
-   piece with what it last sent, as integers (NaN payloads, ``-0.0`` and denormals are
-   exact), and sends the changes in the smallest of raw, bitmask + values, runs + values
-   and gaps + values (:mod:`reshard_svc.runtime.delta`); the sizes go ahead of the data.
-   Receivers decode and check every payload before anything is written.
-3. ``commit()`` — the landed pieces are written into the targets (whole pieces copied,
-   deltas patched in place), each sender updates its record, and every rank records the
-   version. When the plan is one wave (everything fits ``max_memory``) nothing is
-   written before ``commit()``, so an engine can keep generating during ``update()`` and
-   pause only for the swap; a plan of several waves writes each wave as it lands, whole
-   on every rank, as ``transfer`` does (:attr:`WeightSync.holds_until_commit`).
+2. ``update()`` — the plan runs on the one executor with a codec: for each piece the cost
+   model (:mod:`reshard_svc.sessions.sync_costs`) weighs a delta's CPU against the bytes
+   it saves on this link; a delta compares the piece with what the sender last sent, as
+   integers (NaN payloads, ``-0.0`` and denormals are exact), and sends the changes in the
+   smallest of raw, bitmask + values, runs + values and gaps + values
+   (:mod:`reshard_svc.runtime.delta`); the sizes go ahead of the data. A box replicated on
+   several receivers is relayed: sent once, forwarded among them as received. Receivers
+   decode and check every payload before anything is written.
+3. ``commit()`` — every rank agrees that every wave landed (and, for a push held until
+   commit, was written), and only then do the records take the version: what each wave
+   holds, what each sender last sent. When the plan is one wave (everything fits
+   ``max_memory``) nothing is written before ``commit()``, so an engine can keep
+   generating during ``update()`` and pause only for the swap; a plan of several waves
+   writes each wave as it lands (:attr:`WeightSync.holds_until_commit`).
 
-``push(version)`` is the three in one. All or nothing per wave, as in ``transfer``: a
-failure on any rank makes every rank raise
-:class:`~reshard_svc.errors.TransferAbortedError`, no target is half-written, and every
-rank keeps the versions it had, so the next push is correct (whole pieces where a
-receiver fell behind). ``verify=True`` checks, before anything is written, the CRC32C of
-every landed piece (patched, for a delta) against the sender's CRC32C of the same box.
+``push(version)`` is the three in one. **One version everywhere**: receivers write through
+an undo journal (:class:`~reshard_svc.sessions.sync_codec.Journal`: what a push overwrote,
+as it was), so a failure on any rank — an exception, a peer killed mid-wave, a write that
+fails inside ``commit()`` — makes every surviving rank undo the push locally and raise
+:class:`~reshard_svc.errors.TransferAbortedError`, its targets bitwise the last committed
+version and its records unchanged (the next push is a delta again). A push that
+overwrote more than ``undo_memory`` and then failed fences the rank instead
+(:class:`~reshard_svc.errors.EngineFencedError`: ``version`` None, the next push refills
+it whole). ``verify=True`` checks, before anything is written, the CRC32C of every landed
+piece (patched, for a delta) against the sender's CRC32C of the same box.
 
 Memory: each sender keeps one copy of every region it sends to another rank (its share
 of the model when each byte goes to one receiver; :attr:`WeightSync.snapshot_bytes`),
 made on the first push; ``delta=False`` keeps none and sends whole pieces every time.
-Sources must not change between ``begin()`` and ``commit()``.
+Each receiver keeps what a push overwrites until commit, in host buffers reused push
+after push (:attr:`WeightSync.undo_bytes`). Sources must not change between ``begin()``
+and ``commit()``.
 """
 
 from __future__ import annotations
@@ -258,7 +267,7 @@ class WeightSync:
                     "sent": [
                         self._records.sent.get(w) if self._delta else None for w in range(waves)
                     ],
-                    "costs": None if mine is None else [mine.fixed, mine.per_change, mine.link],
+                    "costs": None if mine is None else mine.figures(),
                 }
 
             _, table = comm.run_everywhere("sync: agreeing on the version", agree)
@@ -305,7 +314,10 @@ class WeightSync:
             self._fail(push, landing, e)
         if codec is not None and self._costs is not None:
             self._costs.measured(
-                sent=codec.bytes_sent, raw=codec.bytes_raw, seconds=time.perf_counter() - moving
+                sent=codec.bytes_sent,
+                raw=codec.bytes_raw,
+                seconds=time.perf_counter() - moving,
+                cpu=codec.predicted_cpu,
             )
         push.moved = True
 

@@ -327,6 +327,8 @@ class Codec:
     bytes_raw: int = 0
     #: of which forwarded for a relay (received from a sender, sent on as received)
     bytes_forwarded: int = 0
+    #: the CPU seconds the cost model predicted for the deltas it chose
+    predicted_cpu: float = 0.0
     bytes_received: int = 0
     deltas: int = 0
     wholes: int = 0
@@ -365,6 +367,7 @@ class Codec:
             share = delta.sampled_density(old, data)
             if self.costs.delta_pays(piece.nbytes, data.element_size(), share):
                 d = delta.encode(old, data, raw_payload=False)
+                self.predicted_cpu += self.costs.cpu(piece.nbytes, share or 0.0)
             else:
                 d = _RAW
             self.encoded[key] = d

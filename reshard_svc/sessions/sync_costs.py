@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,8 @@ class Costs:
     fixed: float
     per_change: float
     link: float | None = None
+    #: whether a push's own seconds have rescaled the calibration (a sender's have)
+    tuned: bool = False
 
     @classmethod
     def calibrate(cls, elements: int = 1 << 22) -> Costs:
@@ -68,18 +71,29 @@ class Costs:
         per_change = max(0.0, (per_byte[1] - per_byte[0]) / 0.19)
         return cls(fixed=max(0.0, per_byte[0] - 0.01 * per_change), per_change=per_change)
 
+    def figures(self) -> list[float | bool | None]:
+        """What this rank says at ``begin()``."""
+        return [self.fixed, self.per_change, self.link, self.tuned]
+
     @classmethod
-    def agreed(cls, figures: list[list[float | None]]) -> Costs | None:
-        """The push's model from every rank's ``[fixed, per_change, link]``: the dearest
-        CPU and the cheapest link measured (None when no rank has figures)."""
+    def agreed(cls, figures: list[list[Any]]) -> Costs | None:
+        """The push's model from every rank's :meth:`figures`: the dearest CPU (among the
+        ranks whose pushes have tuned it, when any has) and the cheapest link measured
+        (None when no rank has figures)."""
         if not figures:
             return None
+        tuned = [f for f in figures if len(f) > 3 and f[3]]
+        cpus = tuned or figures
         links = [f[2] for f in figures if f[2] is not None]
         return cls(
-            fixed=max(float(f[0] or 0.0) for f in figures),
-            per_change=max(float(f[1] or 0.0) for f in figures),
+            fixed=max(float(f[0] or 0.0) for f in cpus),
+            per_change=max(float(f[1] or 0.0) for f in cpus),
             link=min(links) if links else None,
         )
+
+    def cpu(self, nbytes: int, density: float) -> float:
+        """Seconds of CPU a delta of a piece of ``nbytes`` at ``density`` costs."""
+        return nbytes * (self.fixed + self.per_change * density)
 
     def delta_pays(self, nbytes: int, itemsize: int, density: float | None) -> bool:
         """Whether a piece of ``nbytes`` at ``density`` (None: unknown) is cheaper sent
@@ -89,14 +103,24 @@ class Costs:
         elements = nbytes // max(1, itemsize)
         changes = density * elements
         sent = min(elements / 8 + changes * itemsize, changes * (2 + itemsize))
-        cpu = nbytes * (self.fixed + self.per_change * density)
-        return cpu + sent * self.link < nbytes * self.link
+        return self.cpu(nbytes, density) + sent * self.link < nbytes * self.link
 
-    def measured(self, *, sent: int, raw: int, seconds: float) -> None:
+    def measured(self, *, sent: int, raw: int, seconds: float, cpu: float = 0.0) -> None:
         """A push moved ``sent`` bytes from this rank (``raw`` of them whole or raw) in
-        ``seconds``: the link's figure, when the push says something about it."""
-        if sent >= _MEASURE_FROM and raw >= _RAW_SHARE * sent and seconds > 0:
+        ``seconds``, its deltas predicted to cost ``cpu`` seconds: the link's figure, when
+        the push went raw; the CPU's, rescaled to what the push took, when it went by
+        deltas (the calibration ran on a small piece; a push runs on the real ones, on a
+        machine as busy as it is)."""
+        if seconds <= 0:
+            return
+        if sent >= _MEASURE_FROM and raw >= _RAW_SHARE * sent:
             self.link = seconds / sent
+        elif cpu > 0 and raw <= (1 - _RAW_SHARE) * max(sent, 1):
+            spent = seconds - (sent * self.link if self.link is not None else 0.0)
+            scale = min(10.0, max(0.1, spent / cpu))
+            self.fixed *= scale
+            self.per_change *= scale
+            self.tuned = True
 
 
 def _round(old: torch.Tensor, new: torch.Tensor) -> float:

@@ -38,3 +38,11 @@ def test_a_push_agrees_on_the_dearest_cpu_and_the_cheapest_link() -> None:
     assert agreed is not None
     assert (agreed.fixed, agreed.per_change, agreed.link) == (3e-9, 5e-9, 2e-9)
     assert Costs.agreed([]) is None
+
+
+def test_a_push_by_deltas_rescales_the_cpu_to_what_it_took() -> None:
+    costs = Costs(fixed=1e-9, per_change=1e-8, link=1e-9)
+    costs.measured(sent=1 << 20, raw=0, seconds=3.0, cpu=1.0)  # took 3x what was predicted
+    assert costs.tuned and abs(costs.fixed - 3e-9) < 1e-11
+    agreed = Costs.agreed([costs.figures(), [9e-9, 9e-8, None, False]])  # an untuned receiver
+    assert agreed is not None and agreed.fixed == costs.fixed
