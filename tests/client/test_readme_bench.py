@@ -44,6 +44,8 @@ def smoke_flags(script: str, scratch: Path) -> list[str]:
         ]
     if script == "bench/convert.py":
         return ["--size", "small", "--runs", "1", "--variants", "defaults", "--dir", str(scratch)]
+    if script == "bench/mlperf_checkpoint.py":  # the rules' code, on 2 ranks
+        return ["--size", "small", "--runs", "1", "--ranks", "2", "--dir", str(scratch)]
     if script == "bench/cli_convert.py":
         return ["--size", "small", "--runs", "1", "--dirs", str(scratch)]
     return ["--size", "small", "--runs", "1", "--dir", str(scratch)]
@@ -103,6 +105,7 @@ def test_the_link_bench_runs_between_two_emulated_hosts(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     (summary,) = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert summary["bench"] == "transfer" and summary["link"] == "10gbit"
-    assert summary["bitwise_equal"] and summary["1%"]["sent_over_full"] < 0.1
+    assert summary["bitwise_equal"]  # raw or delta is the cost model's call, per link
+    assert all(summary[k]["sent_over_full"] <= 1.01 for k in ("0.1%", "1%", "10%", "100%"))
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert after == before
