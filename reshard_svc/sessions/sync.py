@@ -317,7 +317,8 @@ class WeightSync:
                 sent=codec.bytes_sent,
                 raw=codec.bytes_raw,
                 seconds=time.perf_counter() - moving,
-                cpu=codec.predicted_cpu,
+                compared=codec.bytes_compared,
+                changes=codec.priced_changes,
             )
         push.moved = True
 

@@ -327,8 +327,9 @@ class Codec:
     bytes_raw: int = 0
     #: of which forwarded for a relay (received from a sender, sent on as received)
     bytes_forwarded: int = 0
-    #: the CPU seconds the cost model predicted for the deltas it chose
-    predicted_cpu: float = 0.0
+    #: bytes compared for deltas, and what the cost model priced their changes at (s)
+    bytes_compared: int = 0
+    priced_changes: float = 0.0
     bytes_received: int = 0
     deltas: int = 0
     wholes: int = 0
@@ -367,7 +368,8 @@ class Codec:
             share = delta.sampled_density(old, data)
             if self.costs.delta_pays(piece.nbytes, data.element_size(), share):
                 d = delta.encode(old, data, raw_payload=False)
-                self.predicted_cpu += self.costs.cpu(piece.nbytes, share or 0.0)
+                self.bytes_compared += piece.nbytes
+                self.priced_changes += piece.nbytes * self.costs.per_change * (share or 0.0)
             else:
                 d = _RAW
             self.encoded[key] = d

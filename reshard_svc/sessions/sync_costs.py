@@ -49,7 +49,7 @@ class Costs:
     fixed: float
     per_change: float
     link: float | None = None
-    #: whether a push's own seconds have rescaled the calibration (a sender's have)
+    #: whether a push's own seconds have tuned the compare's figure (a sender's have)
     tuned: bool = False
 
     @classmethod
@@ -105,21 +105,22 @@ class Costs:
         sent = min(elements / 8 + changes * itemsize, changes * (2 + itemsize))
         return self.cpu(nbytes, density) + sent * self.link < nbytes * self.link
 
-    def measured(self, *, sent: int, raw: int, seconds: float, cpu: float = 0.0) -> None:
+    def measured(
+        self, *, sent: int, raw: int, seconds: float, compared: int = 0, changes: float = 0.0
+    ) -> None:
         """A push moved ``sent`` bytes from this rank (``raw`` of them whole or raw) in
-        ``seconds``, its deltas predicted to cost ``cpu`` seconds: the link's figure, when
-        the push went raw; the CPU's, rescaled to what the push took, when it went by
-        deltas (the calibration ran on a small piece; a push runs on the real ones, on a
-        machine as busy as it is)."""
+        ``seconds``, comparing ``compared`` bytes whose changes the model priced at
+        ``changes`` seconds: the link's figure, when the push went raw; the compare's
+        (``fixed``), when it went by deltas (the calibration ran on a small piece; a push
+        runs on the real ones, on a machine as busy as it is). ``per_change`` stays as
+        calibrated: sparse pushes say little about it."""
         if seconds <= 0:
             return
         if sent >= _MEASURE_FROM and raw >= _RAW_SHARE * sent:
             self.link = seconds / sent
-        elif cpu > 0 and raw <= (1 - _RAW_SHARE) * max(sent, 1):
-            spent = seconds - (sent * self.link if self.link is not None else 0.0)
-            scale = min(10.0, max(0.1, spent / cpu))
-            self.fixed *= scale
-            self.per_change *= scale
+        elif compared >= _MEASURE_FROM and raw <= (1 - _RAW_SHARE) * max(sent, 1):
+            spent = seconds - (sent * self.link if self.link is not None else 0.0) - changes
+            self.fixed = min(10 * self.fixed, max(0.1 * self.fixed, spent / compared))
             self.tuned = True
 
 

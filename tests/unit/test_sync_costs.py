@@ -40,9 +40,13 @@ def test_a_push_agrees_on_the_dearest_cpu_and_the_cheapest_link() -> None:
     assert Costs.agreed([]) is None
 
 
-def test_a_push_by_deltas_rescales_the_cpu_to_what_it_took() -> None:
+def test_a_push_by_deltas_tunes_the_compare_to_what_it_took() -> None:
     costs = Costs(fixed=1e-9, per_change=1e-8, link=1e-9)
-    costs.measured(sent=1 << 20, raw=0, seconds=3.0, cpu=1.0)  # took 3x what was predicted
-    assert costs.tuned and abs(costs.fixed - 3e-9) < 1e-11
+    # 2**30 bytes compared, changes priced at 0.5 s, 2**20 sent: the compare took the rest
+    costs.measured(
+        sent=1 << 20, raw=0, seconds=3.5 + (1 << 20) * 1e-9, compared=1 << 30, changes=0.5
+    )
+    assert costs.tuned and abs(costs.fixed - 3.0 / (1 << 30)) < 1e-12
+    assert costs.per_change == 1e-8  # as calibrated
     agreed = Costs.agreed([costs.figures(), [9e-9, 9e-8, None, False]])  # an untuned receiver
     assert agreed is not None and agreed.fixed == costs.fixed
