@@ -7,7 +7,8 @@ is cheap (one host, a fast fabric) the CPU can cost more than the bytes it saves
 the link is slow it is worth it down to dense changes. So each piece is weighed:
 
 * **CPU per byte of piece at change density d**: ``fixed + per_change * d`` seconds,
-  calibrated once per session on this machine (:meth:`Costs.calibrate`: the whole round
+  tuned by every push that went by deltas (:meth:`Costs.measured`), calibrated first
+  on this machine (:meth:`Costs.calibrate`: the whole round
   on an 8 MiB bf16 piece at 1 % and 20 % changed, a fraction of a second; every rank
   calibrates at once, so a machine shared by many ranks is measured as shared);
 * **link per byte**: measured as pushes go: the seconds of a push's data movement over the
@@ -39,6 +40,9 @@ __all__ = ["Costs"]
 _RAW_SHARE = 0.9
 #: and it sent at least this many bytes (a tiny push's seconds are mostly latency)
 _MEASURE_FROM = 1 << 20
+#: a push by deltas tunes the per-change figure when its changes were priced at least this
+#: share of its CPU, else the compare's
+_CHANGES_SAY = 0.3
 
 
 @dataclass(kw_only=True)
@@ -119,8 +123,14 @@ class Costs:
         if sent >= _MEASURE_FROM and raw >= _RAW_SHARE * sent:
             self.link = seconds / sent
         elif compared >= _MEASURE_FROM and raw <= (1 - _RAW_SHARE) * max(sent, 1):
-            spent = seconds - (sent * self.link if self.link is not None else 0.0) - changes
-            self.fixed = min(10 * self.fixed, max(0.1 * self.fixed, spent / compared))
+            spent = seconds - (sent * self.link if self.link is not None else 0.0)
+            if changes >= _CHANGES_SAY * (changes + compared * self.fixed):
+                # the changes were a fair share of the price: they say what a change costs
+                scale = (spent - compared * self.fixed) / changes
+                self.per_change *= min(10.0, max(0.1, scale))
+            else:  # mostly the compare
+                fixed = (spent - changes) / compared
+                self.fixed = min(10 * self.fixed, max(0.1 * self.fixed, fixed))
             self.tuned = True
 
 

@@ -42,11 +42,20 @@ def test_a_push_agrees_on_the_dearest_cpu_and_the_cheapest_link() -> None:
 
 def test_a_push_by_deltas_tunes_the_compare_to_what_it_took() -> None:
     costs = Costs(fixed=1e-9, per_change=1e-8, link=1e-9)
-    # 2**30 bytes compared, changes priced at 0.5 s, 2**20 sent: the compare took the rest
+    # 2**30 bytes compared, changes priced at 0.1 s, 2**20 sent: the compare took the rest
     costs.measured(
-        sent=1 << 20, raw=0, seconds=3.5 + (1 << 20) * 1e-9, compared=1 << 30, changes=0.5
+        sent=1 << 20, raw=0, seconds=3.1 + (1 << 20) * 1e-9, compared=1 << 30, changes=0.1
     )
     assert costs.tuned and abs(costs.fixed - 3.0 / (1 << 30)) < 1e-12
     assert costs.per_change == 1e-8  # as calibrated
     agreed = Costs.agreed([costs.figures(), [9e-9, 9e-8, None, False]])  # an untuned receiver
     assert agreed is not None and agreed.fixed == costs.fixed
+
+
+def test_a_dense_push_by_deltas_tunes_what_a_change_costs() -> None:
+    costs = Costs(fixed=1e-9, per_change=1e-8, link=1e-9)
+    # the changes were priced at 1 s of a 2.07 s price; the push took 4 s more than that
+    costs.measured(
+        sent=1 << 20, raw=0, seconds=5.07 + (1 << 20) * 1e-9, compared=1 << 30, changes=1.0
+    )
+    assert abs(costs.per_change - 4e-8) < 1e-10 and costs.fixed == 1e-9
