@@ -19,13 +19,13 @@ the link is slow it is worth it down to dense changes. So each piece is weighed:
 
 A piece goes as a delta when ``cpu + delta bytes * link < piece bytes * link``, else raw:
 never more than a full push costs, up to the model's error. Every rank's figures are
-shared when a push begins and the push uses the most expensive CPU and the cheapest link
-among them (:meth:`Costs.agreed`): a push waits for its slowest rank, so every sender
-chooses as that one would. Only a cost decision: raw is always right.
+shared when a push begins and the push uses the median CPU and the cheapest link among
+them (:meth:`Costs.agreed`), so every sender chooses alike. Only a cost decision: raw is always right.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -81,17 +81,18 @@ class Costs:
 
     @classmethod
     def agreed(cls, figures: list[list[Any]]) -> Costs | None:
-        """The push's model from every rank's :meth:`figures`: the dearest CPU (among the
-        ranks whose pushes have tuned it, when any has) and the cheapest link measured
-        (None when no rank has figures)."""
+        """The push's model from every rank's :meth:`figures`: the median CPU (among the
+        ranks whose pushes have tuned it, when any has: one rank descheduled while it
+        calibrated must not price every push) and the cheapest link measured (None when
+        no rank has figures)."""
         if not figures:
             return None
         tuned = [f for f in figures if len(f) > 3 and f[3]]
         cpus = tuned or figures
         links = [f[2] for f in figures if f[2] is not None]
         return cls(
-            fixed=max(float(f[0] or 0.0) for f in cpus),
-            per_change=max(float(f[1] or 0.0) for f in cpus),
+            fixed=statistics.median(float(f[0] or 0.0) for f in cpus),
+            per_change=statistics.median(float(f[1] or 0.0) for f in cpus),
             link=min(links) if links else None,
         )
 

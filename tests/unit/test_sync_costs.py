@@ -33,10 +33,10 @@ def test_the_link_is_measured_only_from_pushes_that_went_raw() -> None:
     assert costs.link == 2.0 / (1 << 30)
 
 
-def test_a_push_agrees_on_the_dearest_cpu_and_the_cheapest_link() -> None:
-    agreed = Costs.agreed([[1e-9, 2e-9, None], [3e-9, 1e-9, 4e-9], [2e-9, 5e-9, 2e-9]])
-    assert agreed is not None
-    assert (agreed.fixed, agreed.per_change, agreed.link) == (3e-9, 5e-9, 2e-9)
+def test_a_push_agrees_on_the_median_cpu_and_the_cheapest_link() -> None:
+    agreed = Costs.agreed([[1e-9, 2e-9, None], [30e-9, 1e-9, 4e-9], [2e-9, 5e-9, 2e-9]])
+    assert agreed is not None  # one rank's outlier calibration does not price the push
+    assert (agreed.fixed, agreed.per_change, agreed.link) == (2e-9, 2e-9, 2e-9)
     assert Costs.agreed([]) is None
 
 
