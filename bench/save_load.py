@@ -2,9 +2,11 @@
 
 Same run, interleaved, the order rotated each run: save at TP=4 on 4 gloo ranks (ours
 with block CRC32Cs, the default; ours with ``checksum="none"``; ours with
-``check_replicas=False``; DCP FileSystemWriter), then load each checkpoint into TP=2 and
-into Replicate on 2 ranks (ours verifies every block it reads; ``ours-none`` loads the
-checksum-free copy, so nothing is verified). With ``--variants all`` also a save from a
+``check_replicas=False``; ``dcp.save`` through our ``reshard_svc.dcp.Writer``, the
+``dcp+ours`` variant; DCP FileSystemWriter), then load each checkpoint into TP=2 and into
+Replicate on 2 ranks (ours verifies every block it reads; ``ours-none`` loads the
+checksum-free copy, so nothing is verified; ``dcp+ours`` is ``dcp.load`` through our
+``Reader``, DCP's planner over our format, every block checked). With ``--variants all`` also a save from a
 (dp=2, tp=2) mesh, where every byte has two holders whose copies ``save`` compares
 (``ours``) or not (``ours-unchecked``): the replica check's worst case. For
 each: median wall time (max over ranks, between barriers), peak RSS per rank, and bytes
@@ -37,6 +39,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
 
     import reshard_svc
+    import reshard_svc.dcp
 
     common.import_reshard()
     dist.init_process_group("gloo")
@@ -53,6 +56,8 @@ def worker(args: argparse.Namespace) -> None:
             )
             if op == "save2d" and system == "ours":
                 res["replica_check_s"] = _replica_check_work(sd)
+        elif system == "dcp+ours":
+            res = common.timed(lambda: dcp.save(sd, storage_writer=reshard_svc.dcp.Writer(path)))
         else:
             res = common.timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)))
     else:
@@ -62,6 +67,9 @@ def worker(args: argparse.Namespace) -> None:
         elif system == "ours-direct":
             path = os.path.join(args.dir, "ours")
             res = common.timed(lambda: reshard_svc.load(sd, path, strategy="direct"))
+        elif system == "dcp+ours":
+            reader = reshard_svc.dcp.Reader(path)  # its bytes_read: what it fetched
+            res = common.timed(lambda: (dcp.load(sd, storage_reader=reader), reader)[1])
         else:
             res = common.timed(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)))
     res["rank"] = dist.get_rank()
@@ -86,23 +94,25 @@ def _replica_check_work(sd: dict) -> float:
 def variants(op: str, which: str) -> tuple[str, ...]:
     """The systems measured for ``op``: ``--variants all`` or just the defaults vs DCP."""
     if which == "defaults":
-        return ("ours", "dcp")
+        return ("ours", "dcp+ours", "dcp")
     if op == "save":
-        return ("ours", "ours-none", "ours-unchecked", "dcp")
+        return ("ours", "ours-none", "ours-unchecked", "dcp+ours", "dcp")
     if op == "save2d":
         return ("ours", "ours-unchecked", "dcp")
-    return ("ours", "ours-none", "ours-direct", "dcp")
+    return ("ours", "ours-none", "ours-direct", "dcp+ours", "dcp")
 
 
 def main() -> None:
     ap = common.bench_parser(__doc__, "/dev/shm/reshard-bench")
     ap.add_argument(
         "--system",
-        choices=["ours", "ours-none", "ours-unchecked", "ours-direct", "dcp"],
+        choices=["ours", "ours-none", "ours-unchecked", "ours-direct", "dcp+ours", "dcp"],
         help=argparse.SUPPRESS,
     )
     ap.add_argument("--op", choices=["save", "save2d", "tp", "rep"], help=argparse.SUPPRESS)
-    common.add_variants(ap, "ours (crc32c), ours-none, ours-unchecked, ours-direct and dcp")
+    common.add_variants(
+        ap, "ours (crc32c), ours-none, ours-unchecked, ours-direct, dcp+ours and dcp"
+    )
     ap.add_argument("--ops", help="comma-separated subset of save2d,save,tp,rep (loads need save)")
     args = ap.parse_args()
     if args.worker:
@@ -173,6 +183,15 @@ def main() -> None:
             summary["save2d_replica_check_s"] = round(check, 3)
             summary["save2d_replica_check_over_unchecked_save"] = round(
                 check / unchecked["wall_s"], 3
+            )
+        if ("dcp+ours", op) in runs:
+            plugin = common.summarize(runs[("dcp+ours", op)], model)
+            rows.insert(-1, ("dcp+ours", plugin))
+            summary[f"{op}_wall_ratio_dcp+ours_over_dcp"] = round(
+                plugin["wall_s"] / dcp["wall_s"], 2
+            )
+            summary[f"{op}_wall_ratio_dcp+ours_over_dcp_paired"] = common.paired_ratio(
+                runs[("dcp+ours", op)], runs[("dcp", op)]
             )
         if ("ours-direct", op) in runs:
             direct = common.summarize(runs[("ours-direct", op)], model)

@@ -315,7 +315,8 @@ def _chunk_sizes(md: TensorStorageMetadata, offsets: Sequence[int] | None) -> tu
 class Reader(StorageReader):
     """A ``StorageReader`` for ``dcp.load`` over every checkpoint we read at ``uri``: ours,
     torch DCP, Hugging Face, torch_checkpointing, Megatron-Core. Every byte read from a
-    file with block CRC32Cs is checked before DCP sees it."""
+    file with block CRC32Cs is checked before DCP sees it. ``bytes_read`` counts what this
+    rank fetched from storage (whole checked blocks included)."""
 
     def __init__(
         self,
@@ -328,6 +329,7 @@ class Reader(StorageReader):
         self.storage_options = storage_options
         self._storage: Any = None
         self._index: CheckpointIndex | None = None
+        self.bytes_read = 0
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -337,6 +339,7 @@ class Reader(StorageReader):
         if checkpoint_id is not None:
             self.uri = os.fspath(checkpoint_id)
         self._storage = self._index = None
+        self.bytes_read = 0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -407,11 +410,11 @@ class Reader(StorageReader):
                 end=chunk.end,
                 encoding=chunk.encoding,
             )
-            raw = (
-                checked.read([read])[0]
-                if chunk.file in tables
-                else read_bands(storage, [(chunk.file, chunk.begin, chunk.end)])[0]
-            )
+            if chunk.file in tables:
+                raw = checked.read([read])[0]
+            else:
+                raw = read_bands(storage, [(chunk.file, chunk.begin, chunk.end)])[0]
+                self.bytes_read += chunk.end - chunk.begin
             whole = band_view(read, raw, meta.dtype)
             for item in items:
                 src = whole
@@ -420,6 +423,7 @@ class Reader(StorageReader):
                 target = planner.resolve_tensor(item).detach()
                 target.copy_(src)
                 planner.commit_tensor(item, target)
+        self.bytes_read += checked.bytes_fetched
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
@@ -439,6 +443,7 @@ class Reader(StorageReader):
             )
             if blob.file in checked.tables:
                 return bytes(checked.read([read])[0].numpy())
+            self.bytes_read += blob.end - blob.begin
             return bytes(read_bands(self._storage, [(blob.file, blob.begin, blob.end)])[0].numpy())
         if name in index.extras:
             buf = io.BytesIO()

@@ -102,3 +102,20 @@ def test_the_bridge_pages_dcp_switch_runs(tmp_path):
     exec(compile(code, "docs/bridge.md:dcp-backend", "exec"), scope)
     assert reshard_svc.verify(str(tmp_path / "ckpt")).ok
     assert scope["state"]["step"] == 100
+
+
+@pytest.mark.slow
+def test_torchtnt_saves_and_resumes_through_our_writer_and_reader(tmp_path):
+    """A framework whose DCP checkpointer takes a storage writer and reader: torchtnt's own
+    ``train`` and ``DistributedCheckpointSaver`` (async, with its retention) at FSDP 2 × TP 2
+    write our format; a fresh job at TP 2 resumes with its ``restore_from_latest``, bitwise
+    against what the job held at the end."""
+    root, ref = tmp_path / "run", str(tmp_path / "ref.safetensors")
+    run(jobs.torchtnt_train, 4, str(root), ref, 4)
+    kept = sorted(p.name for p in root.iterdir() if p.name.startswith("epoch_"))
+    assert len(kept) == 2, kept  # torchtnt's keep_last_n_checkpoints pruned the step-2 one
+    for name in kept:
+        assert reshard_svc.verify(str(root / name)).ok
+        assert "app_state.model.output.weight" in reshard_svc.inspect(str(root / name)).tensors
+    got = run(jobs.torchtnt_resume, 2, str(root), ref)
+    assert got == {r: {"restored": True, "differ": [], "step": 4} for r in range(2)}

@@ -65,3 +65,70 @@ def killed_before_finish(uri: str) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
 
     dcp.save({"w": torch.ones(64, 64) * dist.get_rank()}, storage_writer=Dies(uri))
+
+
+def _torchtnt() -> tuple[Any, Any]:
+    """torchtnt's DCP checkpointer configured with our writer and reader, and a train unit
+    over the FSDP × TP model. The saver is torchtnt's own; what changes is the storage it is
+    given: a writer (DCP resets it to each checkpoint's path) and a reader, and the file that
+    marks a checkpoint complete (torchtnt looks for it to find the latest)."""
+    from torchtnt.framework.callbacks.dcp_saver import DistributedCheckpointSaver
+    from torchtnt.framework.unit import TrainUnit
+
+    from reshard_svc.dcp import Reader, Writer
+    from reshard_svc.format.index import INDEX_NAME
+
+    class Saver(DistributedCheckpointSaver):
+        metadata_fname = INDEX_NAME
+        writer = Writer()
+
+        def _checkpoint_impl(self, state: Any, unit: Any, **kwargs: Any) -> bool:
+            return super()._checkpoint_impl(state, unit, storage_writer=self.writer, **kwargs)
+
+        @staticmethod
+        def restore(path: str, unit: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("storage_reader", Reader(path))
+            DistributedCheckpointSaver.restore(path, unit, **kwargs)
+
+    class Unit(TrainUnit[int]):
+        def __init__(self, tp: int, dp: int) -> None:
+            super().__init__()
+            self.model, self.optim, self.dp_mesh = training.build(tp, dp)
+
+        def train_step(self, state: Any, data: int) -> None:
+            training.train(self.model, self.optim, range(data, data + 1), self.dp_mesh)
+
+    return Saver, Unit
+
+
+def torchtnt_train(root: str, ref: str, steps: int) -> None:
+    """torchtnt's ``train`` at FSDP 2 × TP 2 with its ``DistributedCheckpointSaver`` (async,
+    every 2 steps, keeping the last 2) writing our format; rank 0 keeps the state the job
+    held at the end in ``ref``."""
+    from torchtnt.framework.train import train
+
+    Saver, Unit = _torchtnt()
+    unit = Unit(2, 2)
+    saver = Saver(
+        root, save_every_n_train_steps=2, keep_last_n_checkpoints=2, async_checkpoint=True
+    )
+    train(unit, list(range(1, steps + 1)), max_epochs=1, callbacks=[saver])
+    full = full_state(_state(unit.model, unit.optim))
+    if dist.get_rank() == 0:
+        save_file(full, ref)
+
+
+def torchtnt_resume(root: str, ref: str) -> dict[str, Any]:
+    """A fresh job at TP 2 (2 ranks) resumes with torchtnt's ``restore_from_latest`` through
+    our reader: the names that differ from ``ref`` (bitwise) and the step it resumed at."""
+    Saver, Unit = _torchtnt()
+    unit = Unit(2, 1)
+    training.train(unit.model, unit.optim, range(1))  # optimizer state to load into
+    if not Saver.restore_from_latest(root, unit):
+        return {"restored": False}
+    got, want = full_state(_state(unit.model, unit.optim)), load_file(ref)
+    return {
+        "restored": True,
+        "differ": [k for k in want if k not in got or not _bitwise(got[k], want[k])],
+        "step": unit.train_progress.num_steps_completed,
+    }
