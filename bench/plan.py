@@ -9,10 +9,12 @@ one target rank at a time; we time a sample of ranks and extrapolate to all of t
 Also prints the plan's quality at 64 and 512 workers (max/mean bytes read and sent per
 worker), planning time at three model sizes, and a repeated plan (served by the cache);
 a replication sweep (one tensor of 2,048 stored chunks loaded ``Replicate`` by 256 …
-4,096 ranks); and a 1T-parameter MoE (Kimi-K2-shaped: 61 layers, 384 experts, hidden
-7168) saved on 2,048 ranks (dp=32 × ep=64) and loaded on 4,096 (ep=256 × tp=16, norms
-and routers replicated), each against torch's per-rank planner in the same run, with the
-peak RSS of this process.
+4,096 ranks); and two 1T-parameter MoEs saved on 2,048 ranks (dp=32 × ep=64) and loaded
+on 4,096 (ep=256 × tp=16, norms and routers replicated): one Kimi-K2-shaped (61 layers,
+384 experts, hidden 7168, attention as three dense projections), one of DeepSeek-V3's
+shape (MLA's five projections and their norms, a dense first layer, separate
+gate/up/down expert stacks, a shared expert, router score biases), each against torch's
+per-rank planner in the same run, with the peak RSS of this process.
 
     python bench/plan.py [--torch-ranks 4] [--layers 126] [--runs 3] [--moe-layers 61]
 
@@ -211,7 +213,48 @@ def moe_1t(layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
     return m
 
 
-def moe_case(layers: int, torch_ranks: int) -> dict:
+def moe_1t_mla(layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A 1T MoE of another shape (DeepSeek-V3 / Kimi-K2 as Hugging Face names them): MLA
+    attention (q_a/q_b/kv_a/kv_b/o projections of different sizes, their norms), a dense
+    first layer, then per layer a router with its score bias, separate gate/up/down expert
+    stacks ([E, I, H] / [E, H, I], 384 experts) and a shared expert."""
+    H, E, I, DI, V = 7168, 384, 2048, 18432, 163840  # noqa: E741
+    heads, q_rank, kv_rank, nope, rope, v_dim = 64, 1536, 512, 128, 64, 128
+    m: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((V, H), "dense")}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        m[a + "q_a_proj.weight"] = ((q_rank, H), "dense")
+        m[a + "q_a_layernorm.weight"] = ((q_rank,), "norm")
+        m[a + "q_b_proj.weight"] = ((heads * (nope + rope), q_rank), "dense")
+        m[a + "kv_a_proj_with_mqa.weight"] = ((kv_rank + rope, H), "dense")
+        m[a + "kv_a_layernorm.weight"] = ((kv_rank,), "norm")
+        m[a + "kv_b_proj.weight"] = ((heads * (nope + v_dim), kv_rank), "dense")
+        m[a + "o_proj.weight"] = ((H, heads * v_dim), "dense")
+        m[p + "input_layernorm.weight"] = ((H,), "norm")
+        m[p + "post_attention_layernorm.weight"] = ((H,), "norm")
+        if i == 0:  # the dense first layer
+            m[p + "mlp.gate_proj.weight"] = ((DI, H), "dense")
+            m[p + "mlp.up_proj.weight"] = ((DI, H), "dense")
+            m[p + "mlp.down_proj.weight"] = ((H, DI), "dense")
+            continue
+        m[p + "mlp.gate.weight"] = ((E, H), "norm")
+        m[p + "mlp.gate.e_score_correction_bias"] = ((E,), "norm")
+        m[p + "mlp.experts.gate_proj"] = ((E, I, H), "experts")
+        m[p + "mlp.experts.up_proj"] = ((E, I, H), "experts")
+        m[p + "mlp.experts.down_proj"] = ((E, H, I), "experts")
+        m[p + "mlp.shared_experts.gate_proj.weight"] = ((I, H), "dense")
+        m[p + "mlp.shared_experts.up_proj.weight"] = ((I, H), "dense")
+        m[p + "mlp.shared_experts.down_proj.weight"] = ((H, I), "dense")
+    m["model.norm.weight"] = ((H,), "norm")
+    m["lm_head.weight"] = ((V, H), "dense")
+    return m
+
+
+MOE_SHAPES = {"kimi-k2-ish": moe_1t, "mla": moe_1t_mla}
+
+
+def moe_case(layers: int, torch_ranks: int, shape: str = "kimi-k2-ish") -> dict:
     src = {
         k: Layout.parse("dp=32,ep=64", p)
         for k, p in (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))
@@ -220,7 +263,7 @@ def moe_case(layers: int, torch_ranks: int) -> dict:
         k: Layout.parse("ep=256,tp=16", p)
         for k, p in (("dense", "R,S(0)"), ("norm", "R,R"), ("experts", "S(0),S(1)"))
     }
-    model = moe_1t(layers)
+    model = MOE_SHAPES[shape](layers)
     index = index_of(model, src)
     params = sum(math.prod(s) for s, _ in model.values())
     t0 = time.perf_counter()
@@ -231,9 +274,11 @@ def moe_case(layers: int, torch_ranks: int) -> dict:
     return {
         "bench": "plan",
         "case": "1T MoE, dp=32 x ep=64 (2,048) -> ep=256 x tp=16 (4,096)",
+        "shape": shape,
         "layers": layers,
         "params": params,
         "source_chunks": sum(len(t.chunks) for t in index.tensors.values()),
+        "templates": len({(s, k) for s, k in model.values()}),
         "targets_s": round(targets_s, 3),
         "plan_s": round(s, 3),
         "waves": len(plan.waves),
@@ -308,7 +353,8 @@ def main() -> None:
     args = ap.parse_args()
     for row in replication_sweep(args.runs, args.torch_ranks):
         print(json.dumps({"bench": "plan", "case": "replication sweep", **row}), flush=True)
-    print(json.dumps(moe_case(args.moe_layers, args.torch_ranks)), flush=True)
+    for shape in MOE_SHAPES:
+        print(json.dumps(moe_case(args.moe_layers, args.torch_ranks, shape)), flush=True)
     print(json.dumps(reshard_plan_1t(args.moe_layers)), flush=True)
 
     src = layouts(64, 8)

@@ -55,7 +55,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from reshard_svc.errors import CheckpointError, UsageError
 from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE, HashingWriter, check_algorithm
 from reshard_svc.format.collect import TargetRun
-from reshard_svc.format.index import Blob, CheckpointIndex, Chunk, FileMeta, TensorMeta
+from reshard_svc.format.index import (
+    INDEX_NAME,
+    Blob,
+    CheckpointIndex,
+    Chunk,
+    FileMeta,
+    TensorMeta,
+)
 from reshard_svc.format.readers import open_checkpoint
 from reshard_svc.format.safetensors import dtype_name
 from reshard_svc.layout import Box
@@ -67,7 +74,12 @@ from reshard_svc.runtime.save import WRITE_QUEUE_BYTES, write_file
 from reshard_svc.runtime.targets import Placed
 from reshard_svc.storage import open_storage
 
-__all__ = ["Reader", "Writer"]
+__all__ = ["INDEX_FILE", "Reader", "Writer"]
+
+#: The file whose presence marks one of our checkpoints committed (written last). A
+#: framework that finds complete checkpoints by a metadata file (DCP's ``.metadata``)
+#: looks for this one instead.
+INDEX_FILE = INDEX_NAME
 
 
 def _uri(checkpoint_id: str | os.PathLike[str] | None, where: str) -> str:

@@ -68,27 +68,15 @@ def killed_before_finish(uri: str) -> Any:
 
 
 def _torchtnt() -> tuple[Any, Any]:
-    """torchtnt's DCP checkpointer configured with our writer and reader, and a train unit
-    over the FSDP × TP model. The saver is torchtnt's own; what changes is the storage it is
-    given: a writer (DCP resets it to each checkpoint's path) and a reader, and the file that
-    marks a checkpoint complete (torchtnt looks for it to find the latest)."""
-    from torchtnt.framework.callbacks.dcp_saver import DistributedCheckpointSaver
+    """torchtnt's DCP checkpointer configured with our writer and reader (the docs' class,
+    run as written), and a train unit over the FSDP × TP model."""
     from torchtnt.framework.unit import TrainUnit
 
-    from reshard_svc.dcp import Reader, Writer
-    from reshard_svc.format.index import INDEX_NAME
+    from tests.support.docs import block
 
-    class Saver(DistributedCheckpointSaver):
-        metadata_fname = INDEX_NAME
-        writer = Writer()
-
-        def _checkpoint_impl(self, state: Any, unit: Any, **kwargs: Any) -> bool:
-            return super()._checkpoint_impl(state, unit, storage_writer=self.writer, **kwargs)
-
-        @staticmethod
-        def restore(path: str, unit: Any, **kwargs: Any) -> None:
-            kwargs.setdefault("storage_reader", Reader(path))
-            DistributedCheckpointSaver.restore(path, unit, **kwargs)
+    scope: dict[str, Any] = {}
+    exec(compile(block("torchtnt-saver", "python"), "docs/bridge.md:torchtnt-saver", "exec"), scope)
+    Saver = scope["Saver"]
 
     class Unit(TrainUnit[int]):
         def __init__(self, tp: int, dp: int) -> None:
