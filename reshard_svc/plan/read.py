@@ -44,7 +44,7 @@ from reshard_svc.errors import UsageError
 from reshard_svc.format.index import CheckpointIndex, Chunk
 from reshard_svc.layout import Box
 from reshard_svc.plan.budget import Budget
-from reshard_svc.plan.cache import PlanCache
+from reshard_svc.plan.cache import HashOnce, PlanCache
 from reshard_svc.plan.cost import StorageCost
 from reshard_svc.plan.items import Held, Piece, Read, Target
 from reshard_svc.plan.packing import pack
@@ -434,9 +434,8 @@ def _signatures(index: CheckpointIndex, wanted: Mapping[str, Sequence[Held]]) ->
         if 0 in itertools.chain.from_iterable(map(_SIZES, boxes)):  # drop empty boxes
             keep = [i for i, (_, sizes) in enumerate(geo) if 0 not in sizes]
             geo, holders = tuple(geo[i] for i in keep), tuple(holders[i] for i in keep)
-        sigs.append(
-            (name, (meta.shape, meta.itemsize, meta.plan_chunks, geo, holders), meta.plan_places)
-        )
+        tkey = HashOnce((meta.shape, meta.itemsize, meta.plan_chunks, geo, holders))
+        sigs.append((name, tkey, meta.plan_places))
     return tuple(sigs)
 
 

@@ -357,3 +357,24 @@ def test_cost_settings_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("RESHARD_STORAGE_LATENCY_S", "fast")
     with pytest.raises(UsageError, match="RESHARD_STORAGE_LATENCY_S"):
         StorageCost.of(storage)
+
+
+def test_the_plan_cache_hashes_a_key_once_and_matches_equal_keys():
+    from reshard_svc.plan.cache import HashOnce, PlanCache
+
+    class Counted(tuple):
+        hashes = 0
+
+        def __hash__(self):
+            Counted.hashes += 1
+            return tuple.__hash__(self)
+
+    cache: PlanCache[str] = PlanCache(2)
+    key = Counted((1, (2, 3)))
+    assert cache.get_or_build(key, lambda: "built") == "built"
+    assert Counted.hashes == 1  # one hash for the lookup and the store
+    assert cache.get_or_build(Counted((1, (2, 3))), lambda: "again") == "built"  # equal, not same
+    assert cache.get_or_build((1, (2, 4)), lambda: "other") == "other"
+    once = HashOnce((1, (2, 3)))
+    assert once == (1, (2, 3)) and hash(once) == hash((1, (2, 3))) == hash(once)
+    assert {once: 1}[(1, (2, 3))] == 1
