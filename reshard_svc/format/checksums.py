@@ -10,17 +10,25 @@ Readers check every block they read before the bytes are used (:meth:`BlockTable
 a ranged read is widened to block bounds (:meth:`BlockTable.widen`), so the over-read is
 at most one block at each end of a read.
 
-CRC32C comes from the ``crc32c`` package (SSE4.2 / ARMv8 instructions, GIL released).
+CRC32C comes from the ``crc32c`` package (SSE4.2 / ARMv8 instructions, GIL released);
+combining two CRCs (CRC(A‖B) from CRC(A), CRC(B) and ``|B|``) from ``anycrc``.
+
+One pass per byte: a reader that checks a block can be asked to cut it at given offsets
+(``cuts``) and keep each part's CRC (combined, they must give the block's); a writer whose
+bytes are such parts, unchanged, builds its own block CRCs by combining them
+(:meth:`FileChecksummer.take_known`) instead of reading the bytes again.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+import anycrc as _anycrc
 import crc32c as _crc32c
 
 from reshard_svc.errors import ChecksumError, CorruptCheckpointError, UsageError
@@ -34,6 +42,7 @@ __all__ = [
     "HashingWriter",
     "check_algorithm",
     "crc32c",
+    "crc32c_combine",
 ]
 
 #: ``crc32c`` (default): block CRCs, checked on every read. ``sha256``: the same block CRCs
@@ -47,6 +56,18 @@ MAX_BLOCK_SIZE = 1 << 30
 def crc32c(data: Any, value: int = 0) -> int:
     """CRC32C of a bytes-like object, continuing from ``value``."""
     return int(_crc32c.crc32c(data, value))
+
+
+_CRC32C = _anycrc.Model("CRC32C")
+
+
+def crc32c_combine(first: int, second: int, second_len: int) -> int:
+    """CRC32C of ``A‖B`` from ``first`` = CRC32C(A), ``second`` = CRC32C(B) and ``|B|``."""
+    return int(_CRC32C.combine(first, second, second_len))
+
+
+#: A part of a checked block: file offset -> (end, CRC32C of [offset, end)).
+Parts = dict[int, tuple[int, int]]
 
 
 def check_algorithm(checksum: Any) -> str:
@@ -119,11 +140,20 @@ class BlockTable:
         bs = self.block_size
         return (begin // bs) * bs, min(self.size, -(-end // bs) * bs)
 
-    def check(self, start: int, data: Any, done: set[int] | None = None) -> int:
+    def check(
+        self,
+        start: int,
+        data: Any,
+        done: set[int] | None = None,
+        cuts: Sequence[int] = (),
+        parts: Parts | None = None,
+    ) -> int:
         """Check the whole blocks ``data`` read from ``start`` (block-aligned).
 
         Blocks listed in ``done`` are skipped; checked ones are added to it. Returns the
-        bytes checked. Raises :class:`ChecksumError` on the first mismatch.
+        bytes checked. Raises :class:`ChecksumError` on the first mismatch. A block with
+        file offsets of ``cuts`` (sorted) inside it is summed part by part, the parts'
+        CRCs combined for the check, and each part kept in ``parts``.
         """
         bs = self.block_size
         if start % bs:
@@ -136,13 +166,36 @@ class BlockTable:
             if done is not None and first + i in done:
                 continue
             block = view[i * bs : (i + 1) * bs]
-            if start + i * bs + block.nbytes != min(self.size, start + (i + 1) * bs):
+            lo = start + i * bs
+            if lo + block.nbytes != min(self.size, start + (i + 1) * bs):
                 raise ValueError("partial block handed to check")
-            self._compare(first + i, crc32c(block))
+            inside = _inside(cuts, lo, lo + block.nbytes) if cuts else []
+            if parts is not None and inside:
+                self._compare(first + i, _check_parts(block, lo, inside, parts))
+            else:
+                self._compare(first + i, crc32c(block))
             checked += block.nbytes
             if done is not None:
                 done.add(first + i)
         return checked
+
+    def crc_of(self, begin: int, end: int, done: set[int], parts: Parts) -> int | None:
+        """CRC32C of ``[begin, end)`` from checked blocks (their table CRCs) and kept
+        parts, combined; None unless such pieces tile the range exactly."""
+        bs, crc, pos = self.block_size, 0, begin
+        while pos < end:
+            block = pos // bs
+            stop = min(self.size, (block + 1) * bs)
+            if pos == block * bs and stop <= end and block in done:
+                got, nxt = self.crcs[block], stop
+            else:
+                kept = parts.get(pos)
+                if kept is None or kept[0] > end:
+                    return None
+                nxt, got = kept
+            crc = crc32c_combine(crc, got, nxt - pos) if pos > begin else got
+            pos = nxt
+        return crc
 
     def stream(self, start: int, done: set[int] | None = None) -> BlockStream:
         """A :class:`BlockStream` over this file's bytes from ``start``."""
@@ -163,6 +216,23 @@ class BlockTable:
                 expected=f"{want:08x}",
                 actual=f"{got:08x}",
             )
+
+
+def _inside(cuts: Sequence[int], lo: int, hi: int) -> list[int]:
+    """The offsets of sorted ``cuts`` strictly inside ``(lo, hi)``."""
+    return list(cuts[bisect.bisect_right(cuts, lo) : bisect.bisect_left(cuts, hi)])
+
+
+def _check_parts(block: memoryview, lo: int, inside: list[int], parts: Parts) -> int:
+    """The block's CRC32C, summed part by part between the cuts ``inside`` it (each part
+    kept in ``parts``), and the parts combined."""
+    bounds = [lo, *inside, lo + block.nbytes]
+    crc = 0
+    for a, b in zip(bounds, bounds[1:]):
+        part = crc32c(block[a - lo : b - lo])
+        parts[a] = (b, part)
+        crc = crc32c_combine(crc, part, b - a) if a > lo else part
+    return crc
 
 
 class FileChecksummer:
@@ -198,6 +268,27 @@ class FileChecksummer:
             if self._filled == bs:
                 self.crcs.append(self._cur)
                 self._cur, self._filled = 0, 0
+
+    def take_known(self, parts: Sequence[tuple[int, int]]) -> bool:
+        """Count the next bytes by their parts' CRC32Cs (``(length, crc)`` in order, none
+        crossing a block boundary) instead of reading them; False, with nothing counted,
+        when the parts do not fit the blocks (the caller sums the bytes instead). Only for
+        ``crc32c`` (a sha256 must read the bytes anyway)."""
+        if self.algorithm != "crc32c":
+            return False
+        bs, filled = self.block_size, self._filled
+        for n, _ in parts:
+            if n <= 0 or filled + n > bs:
+                return False
+            filled = (filled + n) % bs
+        for n, crc in parts:
+            self._cur = crc32c_combine(self._cur, crc, n) if self._filled else crc
+            self._filled += n
+            self.size += n
+            if self._filled == bs:
+                self.crcs.append(self._cur)
+                self._cur, self._filled = 0, 0
+        return True
 
     def result(self) -> dict[str, Any]:
         """The index's checksum fields for this file."""

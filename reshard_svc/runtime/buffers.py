@@ -219,15 +219,18 @@ class BackgroundWriter:
         data: memoryview,
         keep: Any = None,
         done: Callable[[], None] | None = None,
+        crcs: list[tuple[int, int]] | None = None,
     ) -> None:
         """Queue ``data`` for ``out``; ``keep`` is held until the write is done, then
-        ``done()`` runs (on the write thread, after the checksum is computed too)."""
+        ``done()`` runs (on the write thread, after the checksum is computed too).
+        ``crcs``: the bytes' (length, CRC32C) per block of ``out``, already summed (see
+        :meth:`~reshard_svc.format.checksums.FileChecksummer.take_known`)."""
         n = data.nbytes
         while self._queue and self._queued + n > self.max_bytes:
             self._pop()
         hasher = self._hasher(out)
         h = hasher.submit(out.sums.update, data) if hasher is not None else None
-        w = self._lane(out).submit(_write_raw, out, data, keep, h, done)
+        w = self._lane(out).submit(_write_raw, out, data, keep, h, done, crcs)
         self._queue.append((h, w, n))
         self._queued += n
 
@@ -329,8 +332,16 @@ def _write_raw(
     keep: Any,
     hashed: Future[Any] | None,
     done: Callable[[], None] | None,
+    crcs: list[tuple[int, int]] | None = None,
 ) -> None:
-    if hashed is None:
+    if (
+        hashed is None
+        and crcs is not None
+        and sum(n for n, _ in crcs) == data.nbytes
+        and out.sums.take_known(crcs)
+    ):
+        out.raw.write(data)  # its block CRCs came from the source's check: no second sum
+    elif hashed is None:
         # Checksum and write a cache-sized piece at a time: the write reads bytes the
         # CRC just brought into cache instead of fetching them from memory again.
         n = data.nbytes

@@ -10,6 +10,7 @@ on this rank, from a local file, goes straight into the destination's view.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard_svc.errors import CorruptCheckpointError
-from reshard_svc.format.checksums import BlockStream, BlockTable
+from reshard_svc.format.checksums import BlockStream, BlockTable, Parts
 from reshard_svc.plan.items import Piece, Read
 from reshard_svc.runtime.buffers import tensor_runs
 from reshard_svc.storage import Storage
@@ -75,6 +76,11 @@ class CheckedReader:
     One rank's reads of a file are coalesced into spans whose block-widened ranges touch;
     each span is fetched once (a memory map locally, one ranged GET elsewhere) and each
     block is checked once per execution, however many reads share it.
+
+    Offsets given to :meth:`cut` before a :meth:`read` split the blocks they fall in: each
+    part is summed on its own during the check (the parts combined must give the block's
+    CRC32C), so :meth:`crcs` can give the CRC32C of ranges that start and end at cuts or
+    block bounds without reading their bytes again (a writer's blocks, built from them).
     """
 
     def __init__(self, storage: Storage, tables: Mapping[str, BlockTable], mapped: bool) -> None:
@@ -86,6 +92,32 @@ class CheckedReader:
         self.done: dict[str, set[int]] = {}
         self.bytes_fetched = 0
         self.bytes_checked = 0
+        self._cuts: dict[str, set[int]] = {}
+        self._parts: dict[str, Parts] = {}
+
+    def cut(self, file: str, offsets: Sequence[int]) -> None:
+        """Sum the blocks of ``file`` that the next :meth:`read` checks in parts, split at
+        ``offsets``."""
+        self._cuts.setdefault(file, set()).update(offsets)
+
+    def crcs(self, file: str, bounds: Sequence[int]) -> list[tuple[int, int]] | None:
+        """(length, CRC32C) of each range between consecutive ``bounds`` of ``file``, from
+        what the checks summed; None if one of them was not summed that way."""
+        table, parts = self.tables.get(file), self._parts.get(file)
+        if table is None or parts is None:
+            return None
+        done = self.done.get(file, set())
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            crc = table.crc_of(a, b, done, parts)
+            if crc is None:
+                return None
+            out.append((b - a, crc))
+        return out
+
+    def forget_parts(self) -> None:
+        """Drop the kept parts (once their ranges have been asked for)."""
+        self._parts.clear()
 
     def covers(self, read: Read) -> bool:
         return read.file in self.tables
@@ -106,9 +138,13 @@ class CheckedReader:
                 spans[-1] = (f, a, max(b, hi), [*rs, r])
             else:
                 spans.append((_file(r), lo, hi, [r]))
+        cuts = {f: sorted(c) for f, c in self._cuts.items()}
+        self._cuts.clear()
         for name, lo, hi, rs in spans:
             view = self.storage.read_view(name, lo, hi)
-            newly = self.tables[name].check(lo, view, self.done.setdefault(name, set()))
+            cut = cuts.get(name, ())
+            parts = self._parts.setdefault(name, {}) if cut else None
+            newly = self.tables[name].check(lo, view, self.done.setdefault(name, set()), cut, parts)
             self.bytes_checked += newly
             self.bytes_fetched += newly if self.mapped else hi - lo
             whole = as_bytes(view)
@@ -204,13 +240,55 @@ class StorageSource:
             out[r.id] = self._read_in_place(r, *target)
             landed.add(target[0])
         by_id = {r.id: r for r in verified}
+        slabs = self._cut_for_slabs(verified, pieces, dest)
         for rid, raw in (self.checked.read(verified) if verified else {}).items():
             out[rid] = band_view(by_id[rid], raw, self.dtypes[by_id[rid].tensor])
+        if slabs:
+            self._hand_over_crcs(slabs, dest)
         bufs = read_bands(self.storage, [(_file(r), r.begin, r.end) for r in buffered])
         for r, b in zip(buffered, bufs):
             out[r.id] = band_view(r, b, self.dtypes[r.tensor])
             self._plain += r.nbytes
         return [out[r.id] for r in mine], landed
+
+    def _cut_for_slabs(
+        self, verified: Sequence[Read], pieces: Mapping[int, list[Piece]], dest: Destination
+    ) -> list[tuple[Piece, str, list[int]]]:
+        """Where a destination writes pieces of these reads to files unchanged, straight
+        from their bytes (``dest.slab_output``: ``convert``), cut the source blocks at the
+        pieces' ends and at the output blocks' bounds, so the check's own pass sums each
+        output block's share (one pass per byte). The pieces, their files and cuts."""
+        slab_output = getattr(dest, "slab_output", None)
+        if slab_output is None:
+            return []
+        out = []
+        for r in verified:
+            if r.encoding != "raw":
+                continue
+            for p in pieces.get(r.id, ()):
+                if p.dest != self.rank or not p.box.ndim or p.box.sizes[1:] != r.box.sizes[1:]:
+                    continue  # not this rank's, or not contiguous in the source
+                where = slab_output(p, self.dtypes[r.tensor])
+                if where is None:
+                    continue
+                offset, block = where
+                isz = self.dtypes[r.tensor].itemsize
+                row = math.prod(r.box.sizes[1:]) * isz
+                a = r.begin + (p.box.offsets[0] - r.box.offsets[0]) * row
+                n = p.box.numel * isz
+                first = (offset // block + 1) * block
+                bounds = [a, *(a + k - offset for k in range(first, offset + n, block)), a + n]
+                self.checked.cut(_file(r), bounds)
+                out.append((p, _file(r), bounds))
+        return out
+
+    def _hand_over_crcs(self, slabs: list[tuple[Piece, str, list[int]]], dest: Destination) -> None:
+        known = getattr(dest, "known_crcs", None)
+        for p, file, bounds in slabs:
+            crcs = self.checked.crcs(file, bounds)
+            if crcs is not None and known is not None:
+                known[p] = crcs
+        self.checked.forget_parts()
 
     def _in_place_target(
         self, r: Read, parts: Sequence[Piece], dest: Destination

@@ -105,6 +105,27 @@ class BandSink:
         self.transforms = dict(transforms or {})
         self.buffers: dict[int, torch.Tensor] = {}
         self.taken: dict[int, list[tuple[Box, torch.Tensor]]] = {}
+        #: a piece's bytes as (length, CRC32C) per output block it falls in, when the
+        #: source's check summed them (:meth:`slab_output`): written without a second sum
+        self.known_crcs: dict[Piece, list[tuple[int, int]]] = {}
+        self._slab_crcs: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+
+    def slab_output(self, part: Piece, dtype: torch.dtype) -> tuple[int, int] | None:
+        """(file offset, the file's checksum block size) where ``part``, in ``dtype``,
+        is written unchanged as a slab of whole rows of its target by this rank, or None
+        (a cast, a transform, part of a row, a file without block CRC32Cs)."""
+        t = self.plan.targets[part.target]
+        if (
+            t.tensor in self.transforms
+            or dtype != self.dtypes[t.tensor]
+            or part.box.sizes[1:] != t.box.sizes[1:]
+        ):
+            return None
+        fname, offset = self.where[(t.tensor, t.box)]
+        if self.writers[fname].out.sums.algorithm != "crc32c":
+            return None  # nothing to combine: no block CRCs, or a sha256 reads every byte
+        row = math.prod(t.box.sizes[1:]) * dtype.itemsize
+        return offset + (part.box.offsets[0] - t.box.offsets[0]) * row, DEFAULT_BLOCK_SIZE
 
     def view(self, part: Piece) -> torch.Tensor:
         """The region of the target's staging buffer that ``part`` fills."""
@@ -131,6 +152,9 @@ class BandSink:
         slab = part.box.sizes[1:] == t.box.sizes[1:] and data.is_contiguous()
         if slab or (part.box.ndim == 2 and data.stride(-1) == 1):
             self.taken.setdefault(part.target, []).append((part.box, data))
+            crcs = self.known_crcs.pop(part, None)
+            if crcs is not None:
+                self._slab_crcs[(part.target, part.box.offsets)] = crcs
             return True
         return False
 
@@ -156,8 +180,10 @@ class BandSink:
                 writer.put(offset, buf, self.pool.give)
             elif all(b.sizes[1:] == t.box.sizes[1:] and d.is_contiguous() for b, d in taken):
                 row_bytes = math.prod(t.box.sizes[1:]) * self.dtypes[t.tensor].itemsize
+                crcs = self._slab_crcs
                 for box, data in sorted(taken, key=lambda p: p[0].offsets[0]):
-                    writer.put(offset + (box.offsets[0] - t.box.offsets[0]) * row_bytes, data, None)
+                    at = offset + (box.offsets[0] - t.box.offsets[0]) * row_bytes
+                    writer.put(at, data, None, crcs.pop((ti, box.offsets), None))
             else:  # a 2-D band split by columns
                 rel = [(box.relative_to(t.box), data) for box, data in taken]
                 writer.put_band(
@@ -165,6 +191,8 @@ class BandSink:
                     (t.box.sizes[0], t.box.sizes[1]),
                     [((b.offsets, b.sizes), d) for b, d in rel],
                 )
+        self.known_crcs.clear()  # pieces that went another way: summed when written
+        self._slab_crcs.clear()
 
 
 class FileWriter:
@@ -183,13 +211,18 @@ class FileWriter:
         self.pending: dict[int, tuple[int, Callable[[], None]]] = {}
 
     def put(
-        self, offset: int, data: torch.Tensor, release: Callable[[torch.Tensor], None] | None
+        self,
+        offset: int,
+        data: torch.Tensor,
+        release: Callable[[torch.Tensor], None] | None,
+        crcs: list[tuple[int, int]] | None = None,
     ) -> None:
-        """Queue ``data`` for ``offset``; ``release(data)`` once it is on its way to storage."""
+        """Queue ``data`` for ``offset``; ``release(data)`` once it is on its way to storage.
+        ``crcs``: its bytes' (length, CRC32C) per output block, when already summed."""
         t = data.contiguous()
         done = functools.partial(release, t) if release is not None else None
         mv = tensor_bytes(t)
-        self._queue(offset, mv.nbytes, lambda: self.background.submit(self.out, mv, t, done))
+        self._queue(offset, mv.nbytes, lambda: self.background.submit(self.out, mv, t, done, crcs))
 
     def put_band(
         self, offset: int, shape: tuple[int, int], pieces: list[tuple[Any, torch.Tensor]]
