@@ -340,7 +340,11 @@ def _write_raw(
         and sum(n for n, _ in crcs) == data.nbytes
         and out.sums.take_known(crcs)
     ):
-        out.raw.write(data)  # its block CRCs came from the source's check: no second sum
+        # its block CRCs came from the source's check: no second sum. Still written a
+        # piece at a time: one write() of a long mapped range stalls (0.13-1.3 s for the
+        # same 512 MiB here, against a steady 0.13 s in 1 MiB pieces)
+        for off in range(0, data.nbytes, FUSED_PIECE):
+            out.raw.write(data[off : off + FUSED_PIECE])
     elif hashed is None:
         # Checksum and write a cache-sized piece at a time: the write reads bytes the
         # CRC just brought into cache instead of fetching them from memory again.
