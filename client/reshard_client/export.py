@@ -50,7 +50,8 @@ class ExportOnCommit:
             if key in self.spec:
                 raise ValueError(f"spec must not set {key!r}: the manager gives it per step")
         self.client = client or ReshardClient(url, token)
-        self.jobs: dict[int, str] = {}  # step -> job id
+        self.jobs: dict[int, str] = {}  # step -> job id, for every export submitted
+        self._ended: set[int] = set()  # steps whose job has ended: no longer held
         self._lock = threading.Lock()
 
     def __call__(self, step: int, uri: str) -> None:
@@ -69,7 +70,7 @@ class ExportOnCommit:
     def holds(self) -> set[int]:
         """Steps whose export job has not ended (or whose state cannot be read now)."""
         with self._lock:
-            pending = dict(self.jobs)
+            pending = {s: j for s, j in self.jobs.items() if s not in self._ended}
         held = set()
         for step, job_id in pending.items():
             try:
@@ -79,7 +80,7 @@ class ExportOnCommit:
                 continue
             if state in _DONE:
                 with self._lock:
-                    self.jobs.pop(step, None)
+                    self._ended.add(step)
             else:
                 held.add(step)
         return held

@@ -71,3 +71,30 @@ def test_an_unreachable_server_is_a_warning_not_a_training_failure(tmp_path, cap
         mgr.wait()
         assert mgr.steps() == [1, 2]
     assert "was not submitted" in caplog.text
+
+
+def test_an_ended_export_is_no_longer_held_and_stays_in_jobs():
+    """``jobs`` records every export submitted; ``holds`` only those still running (an
+    export that ended early used to vanish from ``jobs``)."""
+    from types import SimpleNamespace
+
+    class Jobs:  # the two calls the hook makes, answering from a dict
+        def __init__(self) -> None:
+            self.states: dict[str, str] = {}
+
+        def submit(self, body, idempotency_key):
+            job_id = f"job-{len(self.states)}"
+            self.states[job_id] = "running"
+            return SimpleNamespace(id=job_id)
+
+        def get(self, job_id):
+            return SimpleNamespace(state=SimpleNamespace(value=self.states[job_id]))
+
+    jobs = Jobs()
+    hook = ExportOnCommit("/exports/step-{step}", client=jobs)  # type: ignore[arg-type]
+    hook(1, "run/step-1")
+    hook(2, "run/step-2")
+    assert hook.holds() == {1, 2}
+    jobs.states["job-0"] = "succeeded"
+    assert hook.holds() == {2}
+    assert hook.jobs == {1: "job-0", 2: "job-1"}
