@@ -5,6 +5,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# glibc's heap checks for pytest and every process a test starts (tests/support/heap.py):
+# a heap error aborts with glibc's message and fails the test that saw it. On glibc >= 2.34
+# MALLOC_CHECK_ and MALLOC_PERTURB_ take effect only with the debug library preloaded.
+MALLOC_DEBUG_LIB := $(shell ldconfig -p 2>/dev/null | grep -q 'libc_malloc_debug.so.0 ' && echo libc_malloc_debug.so.0)
+HEAP_CHECKS ?= $(if $(MALLOC_DEBUG_LIB),LD_PRELOAD=$(MALLOC_DEBUG_LIB)) MALLOC_CHECK_=3 MALLOC_PERTURB_=165
 
 .PHONY: demo test lint typecheck bench clean setup
 
@@ -23,7 +28,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check reshard_svc server client tests bench
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(HEAP_CHECKS) $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -61,3 +61,24 @@ def s3(moto_server, monkeypatch):
     fs.mkdir(bucket)
     fsspec.filesystem("s3", **opts).invalidate_cache()
     yield f"s3://{bucket}"
+
+
+# ---- heap errors fail the test that saw them (tests/support/heap.py)
+
+os.environ.setdefault("RESHARD_DEBUG_BUFFERS", "1")  # poisoned releases, checked on reuse
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    from tests.support.heap import heap_error
+
+    outcome = yield
+    report = outcome.get_result()
+    text = "\n".join(content for _, content in report.sections)
+    found = heap_error(text)
+    if found is not None:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid}: a process aborted on a heap error during {report.when}: "
+            f"{found!r} (glibc's heap checks; see the captured output)"
+        )
