@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from reshard_svc._version import __version__
 from reshard_svc.errors import (
+    BufferReuseError,
     CheckpointError,
     ChecksumError,
     CorruptCheckpointError,
@@ -107,6 +108,7 @@ __all__ = [
     "AsyncSaver",
     "Box",
     "Cat",
+    "BufferReuseError",
     "CheckpointError",
     "CheckpointIndex",
     "CheckpointManager",

@@ -17,6 +17,7 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     │   │   └── ChecksumError             bytes read fail their CRC32C (file, range, values)
     │   └── InconsistentIndexError        overlapping / missing chunks, shape or dtype mismatch
     ├── UnsafePickleError                 a DCP pickle names a global outside the allow-list
+    ├── BufferReuseError                  a buffer was written after its owner released it
     ├── StorageError (OSError)            the storage backend failed; ``__cause__`` is kept
     │   └── MissingFileError (FileNotFoundError)
     ├── PathNotAllowedError (PermissionError)  a URI outside the configured roots
@@ -31,6 +32,7 @@ Messages name the thing to fix (the key, the file, the flag), never just "invali
 from __future__ import annotations
 
 __all__ = [
+    "BufferReuseError",
     "CheckpointError",
     "ChecksumError",
     "CorruptCheckpointError",
@@ -58,6 +60,15 @@ __all__ = [
 
 class ReshardError(Exception):
     """Base of every error reshard_svc raises on purpose."""
+
+
+class BufferReuseError(ReshardError):
+    """A buffer was written after its owner released it (``RESHARD_DEBUG_BUFFERS=1``): a
+    bug in reshard_svc, never bad input. ``buffer`` names it."""
+
+    def __init__(self, message: str, *, buffer: str = "") -> None:
+        super().__init__(message)
+        self.buffer = buffer
 
 
 class UsageError(ReshardError, ValueError):

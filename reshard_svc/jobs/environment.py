@@ -15,6 +15,7 @@ __all__ = [
     "CALLBACK_TIMEOUT_ENV",
     "CALLBACK_TOKEN_ENV",
     "CALLBACK_URL_ENV",
+    "DEBUG_BUFFERS_ENV",
     "DIE_WITH_PARENT_ENV",
     "JOB_ENV",
     "LAUNCH_ENV",
@@ -37,6 +38,9 @@ CALLBACK_TIMEOUT_ENV = "RESHARD_CALLBACK_TIMEOUT_S"
 #: The CLI's own workers: die with the ``reshard`` process whose pid is given.
 DIE_WITH_PARENT_ENV = "RESHARD_DIE_WITH_PARENT"
 PARENT_ENV = "RESHARD_PARENT_PID"
+#: ``1``: every buffer we release is poisoned and checked when taken again (a use after
+#: release becomes an error naming the buffer; :mod:`reshard_svc.runtime.buffers`).
+DEBUG_BUFFERS_ENV = "RESHARD_DEBUG_BUFFERS"
 #: The names a remote engine must pass on to each worker (a TrainJob's env list).
 WORKER_NAMES = (JOB_ENV, CALLBACK_URL_ENV, CALLBACK_TOKEN_ENV)
 

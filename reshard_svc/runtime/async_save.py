@@ -3,8 +3,8 @@
 Order of events, on every rank:
 
 1. wait for this rank's previous save if ``max_in_flight`` are already running;
-2. agree on the state dict and plan the files (small collectives on a dedicated gloo
-   group, so the background thread never shares a process group with training);
+2. agree on the state dict and plan the files (small collectives on the caller's process
+   group, from the caller's thread, as a synchronous save does);
 3. snapshot the boxes this rank will write — the blocking part:
 
    * CPU tensors (Linux): ``fork()`` a writer process. Its copy-on-write view of memory
@@ -12,13 +12,21 @@ Order of events, on every rank:
      touches no process group and runs no torch kernels (contiguous views only);
    * CUDA tensors, non-contiguous views, or ``RESHARD_ASYNC_FORK=0``: copy into staging
      buffers (pinned host memory for CUDA), reused from one save to the next;
-4. return a :class:`~concurrent.futures.Future`; a background thread collects the files'
-   checksums and rank 0 commits the index last. Errors while writing surface from
-   ``future.result()``; a target that cannot be written (or exists without ``overwrite``)
-   raises at the call, before anything is staged.
+4. return a :class:`~concurrent.futures.Future`; the saver's one background thread
+   collects the files' checksums and rank 0 commits the index last, on the saver's own
+   gloo group. Errors while writing surface from ``future.result()``; a target that cannot
+   be written (or exists without ``overwrite``) raises at the call, before anything is
+   staged.
 
 After ``async_save`` returns, training may change its tensors freely: the checkpoint holds
 the values at call time.
+
+Who owns what: each process group is driven by one thread (the caller's group by the
+caller's thread; the saver's group by its background thread, one save after another).
+The staging buffers are the background save's from ``_stage`` until that save has
+finished (committed or failed), then the saver's again (released, and reclaimed by the
+next ``_stage``). A forked writer's copy-on-write view is the child's until the
+background thread has collected it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from reshard_svc.errors import UsageError
 from reshard_svc.format.checksums import check_algorithm
 from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.layout import Box
+from reshard_svc.runtime.buffers import reclaim, release
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commit, write_files
 from reshard_svc.runtime.targets import replica_crcs
@@ -71,13 +80,16 @@ class AsyncSaver:
         if max_in_flight < 1:
             raise UsageError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
+        self._front = Comm(process_group)  # the caller's thread: planning, staging
         if dist.is_available() and dist.is_initialized():
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             # Collectives of background saves must never interleave with training's.
             self._group = dist.new_group(ranks=ranks, backend="gloo")
         else:
             self._group = None
-        self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="reshard-async-save")
+        self._back = Comm(self._group)  # driven by the one background thread alone
+        # one thread: saves in flight finish (and commit) one after another, in order
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-async-save")
         self._inflight: deque[Future[CheckpointIndex]] = deque()
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -101,7 +113,7 @@ class AsyncSaver:
                 done.result()
             except Exception:  # the caller sees it from that save's own future
                 logger.debug("previous async save failed", exc_info=True)
-        comm = Comm(self._group)
+        comm = self._front
         storage = open_storage(uri, storage_options)
         prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite, check_replicas)
         mine = {(name, box) for spec in prep.plan.files_of(comm.rank) for name, box in spec.entries}
@@ -119,18 +131,32 @@ class AsyncSaver:
         for name, placed in prep.placed.items():
             for box in [b for b in placed.local if (name, b) not in keep]:
                 del placed.local[box]  # another rank writes it; nothing to keep
-        self._stage(prep, contiguous_only=use_fork)
-        if use_fork:
-            written = self._fork_writer(prep, comm.rank)
-            future = self._pool.submit(write_and_commit, prep, comm, written)
-        else:
-            future = self._pool.submit(write_and_commit, prep, comm)
+        staged = self._stage(prep, contiguous_only=use_fork)
+        written = self._fork_writer(prep, comm.rank) if use_fork else None
+        future = self._pool.submit(self._write, prep, written, staged)
         self._inflight.append(future)
         return future
 
-    def _stage(self, prep: PreparedSave, contiguous_only: bool) -> None:
+    def _write(
+        self,
+        prep: PreparedSave,
+        written: Callable[[], dict[str, Any]] | None,
+        staged: dict[tuple[str, Box], torch.Tensor],
+    ) -> CheckpointIndex:
+        """The background thread: write (or collect the forked writer), agree, commit;
+        then the staging buffers are the saver's again."""
+        try:
+            return write_and_commit(prep, self._back, written)
+        finally:
+            for (name, box), buf in staged.items():
+                release(buf, f"the async save's staging buffer of {name!r} {box}")
+
+    def _stage(
+        self, prep: PreparedSave, contiguous_only: bool
+    ) -> dict[tuple[str, Box], torch.Tensor]:
         """Copy views into staging buffers (all of them, or only the non-contiguous ones
-        when a forked writer will read the rest straight from copy-on-write memory)."""
+        when a forked writer will read the rest straight from copy-on-write memory);
+        returns the buffers, the background save's until it finishes."""
         reuse = self.max_in_flight == 1  # buffers are free: the previous save is done
         staged: dict[tuple[str, Box], torch.Tensor] = {}
         with torch.no_grad():
@@ -143,6 +169,8 @@ class AsyncSaver:
                         buf = torch.empty(
                             view.shape, dtype=view.dtype, pin_memory=view.device.type == "cuda"
                         )
+                    else:
+                        reclaim(buf, f"the async save's staging buffer of {name!r} {box}")
                     buf.copy_(view, non_blocking=view.device.type == "cuda")
                     placed.local[box] = buf
                     staged[(name, box)] = buf
@@ -150,6 +178,7 @@ class AsyncSaver:
                 torch.cuda.synchronize()
         if reuse:
             self._buffers = staged
+        return staged
 
     def _fork_writer(self, prep: PreparedSave, rank: int) -> Callable[[], dict[str, Any]]:
         """Fork a process that writes this rank's files from the copy-on-write snapshot.

@@ -6,12 +6,20 @@ straight into place. ``BackgroundWriter`` checksums and writes buffers on helper
 (CRC32C, hashlib and file writes release the GIL), in submission order, with a cap on
 queued bytes so memory stays bounded. ``BufferPool`` recycles staging buffers;
 ``Arena`` hands out the same memory again each time a plan runs.
+
+Who owns a buffer that crosses a thread, a forked child or a process group is written
+where it is handed over, and summed up in ``docs/code.md`` ("Who owns what"). With
+``RESHARD_DEBUG_BUFFERS=1`` every buffer that is pooled or handed over is poisoned when
+its owner releases it (:func:`release`) and checked when it is taken again
+(:func:`reclaim`): a late write raises :class:`~reshard_svc.errors.BufferReuseError`
+naming the buffer, and a late read sees the pattern (a CRC32C failure), never silence.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -21,14 +29,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from reshard_svc.errors import BufferReuseError
 from reshard_svc.format.checksums import HashingWriter
+from reshard_svc.jobs.environment import DEBUG_BUFFERS_ENV
 
 __all__ = [
     "ALIGN",
     "Arena",
     "BackgroundWriter",
     "BufferPool",
+    "POISON",
     "aligned",
+    "debug_buffers",
+    "reclaim",
+    "release",
     "tensor_bytes",
     "tensor_runs",
 ]
@@ -42,6 +56,54 @@ MAX_RUNS = 16384
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-nbytes // ALIGN) * ALIGN
+
+
+#: The byte a released buffer is filled with under ``RESHARD_DEBUG_BUFFERS=1``.
+POISON = 0xDB
+
+
+def debug_buffers() -> bool:
+    """Whether released buffers are poisoned and checked (``RESHARD_DEBUG_BUFFERS=1``)."""
+    return os.environ.get(DEBUG_BUFFERS_ENV, "0") not in ("", "0")
+
+
+def _raw(buf: Any) -> torch.Tensor:
+    if isinstance(buf, torch.Tensor):
+        flat = buf.detach().reshape(-1) if buf.is_contiguous() else None
+        if flat is None:
+            raise ValueError("only contiguous buffers are pooled or handed over")
+        return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+    view = memoryview(buf).cast("B")
+    if not view.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def release(buf: Any, name: str) -> None:
+    """The owner of ``buf`` (a contiguous tensor, ``bytearray`` or writable buffer) gives
+    it up: nobody may touch it until it is taken again. Under ``RESHARD_DEBUG_BUFFERS=1``
+    it is overwritten with :data:`POISON` (``name`` is for the error :func:`reclaim`
+    raises)."""
+    if debug_buffers():
+        _raw(buf).fill_(POISON)
+
+
+def reclaim(buf: Any, name: str) -> None:
+    """``buf`` is taken again after :func:`release`. Under ``RESHARD_DEBUG_BUFFERS=1``,
+    raise :class:`~reshard_svc.errors.BufferReuseError` naming it when anyone wrote to it
+    in between."""
+    if not debug_buffers():
+        return
+    raw = _raw(buf)
+    bad = torch.nonzero(raw != POISON)
+    if bad.numel():
+        first = int(bad[0, 0])
+        raise BufferReuseError(
+            f"{name}: {bad.shape[0]} of {raw.numel()} bytes were written after it was "
+            f"released (the first at offset {first}): a use after release (a bug in "
+            f"reshard_svc; {DEBUG_BUFFERS_ENV}=1 found it)",
+            buffer=name,
+        )
 
 
 #: Bytes checksummed and then written at a time by a write thread (fits in L2).
@@ -98,8 +160,11 @@ class BufferPool:
     First-touching fresh pages costs more than the copy that fills them (1.4-2.5 GB/s on a
     2-core VM, huge pages or not, against 12 GB/s for memcpy into touched memory), so
     released buffers are kept, up to ``max_bytes``, and handed out again by size.
-    ``take`` and ``give`` may be called from different threads.
+    ``take`` and ``give`` may be called from different threads. A buffer given back is
+    the pool's until taken again (:func:`release`, :func:`reclaim`).
     """
+
+    NAME = "a pooled staging buffer"
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -116,6 +181,8 @@ class BufferPool:
                 self._kept -= nbytes
         if buf is None:
             buf = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            reclaim(buf, self.NAME)
         return buf.view(dtype).view(shape)
 
     def give(self, t: torch.Tensor) -> None:
@@ -124,24 +191,41 @@ class BufferPool:
         if not n:
             return
         with self._lock:
-            if self._kept + n <= self.max_bytes:
-                self._free.setdefault(n, []).append(raw)
-                self._kept += n
+            if self._kept + n > self.max_bytes:
+                return
+            self._kept += n
+        release(raw, self.NAME)
+        with self._lock:
+            self._free.setdefault(n, []).append(raw)
 
 
 class Arena:
     """Byte buffers reused each time a plan runs: ``take`` hands out aligned views of
     a few slabs, in order; ``reset`` starts over at the first slab. A plan run again makes
     the same takes, so it gets the same memory and faults in no new pages (a cached
-    transfer plan keeps its arena). A slab too small for a take at its start is replaced;
-    views from before ``reset`` must be dropped first.
+    transfer plan keeps its arena). A slab too small for a take at its start is replaced.
+
+    Ownership: the views a run took are its own until ``reset``, which releases them all
+    (:func:`release`); a view from before ``reset`` must be dropped first (under
+    ``RESHARD_DEBUG_BUFFERS=1``, a write through one fails the next ``take`` of that
+    memory).
     """
 
     SLAB = 16 * 1024 * 1024
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        slab: int = SLAB,
+        align: int = ALIGN,
+        name: str = "an exchange arena's buffer",
+    ) -> None:
         self.device = torch.device(device)
+        self.slab, self.align, self.name = slab, align, name
         self._slabs: list[torch.Tensor] = []
+        self._used: list[int] = []  # bytes of each slab taken since the last reset
+        self._poisoned: list[int] = []  # of each slab, the prefix released (debug only)
         self._at = (0, 0)  # (slab, offset) of the next take
 
     @property
@@ -149,22 +233,33 @@ class Arena:
         return sum(s.numel() for s in self._slabs)
 
     def reset(self) -> None:
+        if debug_buffers():
+            for i, used in enumerate(self._used):
+                release(self._slabs[i][:used], self.name)
+                self._poisoned[i] = max(self._poisoned[i], used)
+        self._used = [0] * len(self._slabs)
         self._at = (0, 0)
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 view of ``nbytes`` bytes."""
-        need = aligned(nbytes)
+        """A uint8 view of ``nbytes`` bytes (at a multiple of the arena's alignment)."""
+        need = -(-nbytes // self.align) * self.align
         slab, off = self._at
         if slab < len(self._slabs) and off + need > self._slabs[slab].numel() and off:
             slab, off = slab + 1, 0
         if slab == len(self._slabs):
             self._slabs.append(
-                torch.empty(max(need, self.SLAB), dtype=torch.uint8, device=self.device)
+                torch.empty(max(need, self.slab), dtype=torch.uint8, device=self.device)
             )
+            self._used.append(0)
+            self._poisoned.append(0)
         elif off + need > self._slabs[slab].numel():  # too small even from its start
             self._slabs[slab] = torch.empty(0, dtype=torch.uint8)  # free it first
             self._slabs[slab] = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self._poisoned[slab] = 0
+        if off < self._poisoned[slab]:
+            reclaim(self._slabs[slab][off : min(off + need, self._poisoned[slab])], self.name)
         self._at = (slab, off + need)
+        self._used[slab] = off + need
         return self._slabs[slab][off : off + nbytes]
 
     def take_like(self, like: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ from reshard_svc.layout import Box
 from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.plan.save import plan_save
 from reshard_svc.runtime.async_save import STOP_SIGNALS, can_fork
-from reshard_svc.runtime.buffers import BackgroundWriter
+from reshard_svc.runtime.buffers import BackgroundWriter, reclaim, release
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import WRITE_QUEUE_BYTES, saved_index, write_file
 from reshard_svc.runtime.state_dict import flatten
@@ -117,7 +117,11 @@ class FastTier:
 
 class _Snapshot:
     """This rank's tensors copied into staging buffers (reused from one save to the next),
-    and its JSON values."""
+    and its JSON values.
+
+    Ownership: the buffers are the background step's from :meth:`take` until that step
+    has finished (:meth:`FastSaves._write_step` releases them), then the snapshot's again
+    (reclaimed by the next :meth:`take`)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, Box], torch.Tensor] = {}
@@ -150,6 +154,8 @@ class _Snapshot:
                     buf = self.buffers[key] = torch.empty(
                         tuple(view.shape), dtype=view.dtype, device="cpu"
                     )
+                else:
+                    reclaim(buf, _snapshot_name(key))
                 buf.copy_(view.detach())
                 copy.local[box] = buf
                 used.add(key)
@@ -158,6 +164,15 @@ class _Snapshot:
             del self.buffers[key]
         self.placed, self.extras = placed, extras
         return views
+
+    def release(self) -> None:
+        """The background step is done with the buffers."""
+        for key, buf in self.buffers.items():
+            release(buf, _snapshot_name(key))
+
+
+def _snapshot_name(key: tuple[str, Box]) -> str:
+    return f"the fast tier's snapshot buffer of {key[0]!r} {key[1]}"
 
 
 # ---- who sends its part to whom
@@ -294,9 +309,12 @@ class FastSaves:
         return folder
 
     def _write(self, step: int, prepared: Callable[[], Any] | str | None) -> tuple[bool, int]:
-        """The background part of a fast save (every rank, on the fast tier's group):
-        whether the step counts, and the step."""
-        return self._write_step(step, prepared), step
+        """The background part of a fast save (every rank, on the fast tier's group, which
+        this one thread alone drives): whether the step counts, and the step."""
+        try:
+            return self._write_step(step, prepared), step
+        finally:
+            self._snapshot.release()
 
     def _write_step(self, step: int, prepared: Callable[[], Any] | str | None) -> bool:
         folder = f"{self.root}/{fast_step_name(step, self.run)}"
@@ -400,6 +418,8 @@ class FastSaves:
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
+        if blob is not None:  # gloo is done with it: a late read would send the pattern
+            release(blob, "the fast tier's part message")
         missing = [s for s in sources if sizes[s] <= 0]
         error = f"rank {me}: ranks {missing} had no part to copy" if missing else ""
         return {s: memoryview(t.numpy()) for s, t in boxes.items()}, error  # type: ignore[arg-type]

@@ -82,8 +82,8 @@ from reshard_svc.sessions.sync_codec import (
     Geometry,
     Journal,
     Landing,
-    Pool,
     Records,
+    journal_pool,
 )
 from reshard_svc.sessions.sync_costs import Costs
 
@@ -166,7 +166,7 @@ class WeightSync:
         self._committed: int | None = None
         self._push: Push | None = None
         self._costs: Costs | None = None  # calibrated at the first push with deltas
-        self._pool = Pool()  # the undo journals' host buffers, reused push after push
+        self._pool = journal_pool()  # the undo journals' host buffers, reused push after push
 
     # ---- what a caller can ask
 

@@ -104,49 +104,24 @@ class Geometry:
         )
 
 
-class Pool:
-    """Host buffers a session's journals reuse push after push (chunks of at least 64 MiB,
+def journal_pool() -> Arena:
+    """Host buffers a session's journals reuse push after push (slabs of at least 64 MiB,
     kept at their high-water mark): a fresh allocation per push would fault in every
-    page of what it keeps, which costs more than the copy."""
-
-    CHUNK = 64 << 20
-
-    def __init__(self) -> None:
-        self.chunks: list[torch.Tensor] = []
-        self.index = self.offset = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.numel() for c in self.chunks)
-
-    def reset(self) -> None:
-        self.index = self.offset = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` bytes (a uint8 view, 64-byte aligned) for this push's use."""
-        size = -(-nbytes // 64) * 64
-        while self.index < len(self.chunks):
-            chunk = self.chunks[self.index]
-            if self.offset + size <= chunk.numel():
-                view = chunk[self.offset : self.offset + nbytes]
-                self.offset += size
-                return view
-            self.index, self.offset = self.index + 1, 0
-        self.chunks.append(torch.empty(max(size, self.CHUNK), dtype=torch.uint8))
-        self.index, self.offset = len(self.chunks) - 1, size
-        return self.chunks[-1][:nbytes]
+    page of what it keeps, which costs more than the copy. A journal's views are its own
+    until :meth:`Journal.drop` resets the pool (releasing them)."""
+    return Arena(slab=64 << 20, align=64, name="a sync session's undo journal buffer")
 
 
 class Journal:
     """The elements a push overwrote in this rank's targets, as they were (on the host), so
     that a push that fails on any rank can be undone: a delta's changed elements, a whole
-    piece's region (copied into the session's :class:`Pool`). At most ``budget`` bytes:
+    piece's region (copied into the session's :func:`journal_pool`). At most ``budget`` bytes:
     past it the journal stops keeping and says it cannot undo (the session then fences
     the rank)."""
 
-    def __init__(self, budget: int, pool: Pool | None = None) -> None:
+    def __init__(self, budget: int, pool: Arena | None = None) -> None:
         self.budget = budget
-        self.pool = pool if pool is not None else Pool()
+        self.pool = pool if pool is not None else journal_pool()
         self.entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self.nbytes = 0
         self.complete = True

@@ -71,3 +71,12 @@ def test_legacy_sharded_tensor_round_trip(tmp_path):
     res = run(workloads.sharded_tensor_round_trip, 2, str(tmp_path / "st"))
     assert all(r == {"dtensor_ok": True, "sharded_ok": True} for r in res.values()), res
     assert reshard_svc.verify(str(tmp_path / "st")).ok
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["staged", "forked"])
+def test_async_saves_in_flight_each_commit_whole_and_in_order(tmp_path, fork):
+    """Two saves in flight through one AsyncSaver: the caller plans on its own group while
+    the one background thread writes and commits on the saver's (each group driven by one
+    thread). Six saves queued back to back all load back bitwise."""
+    got = run(workloads.saves_in_flight, 2, str(tmp_path), 6, 2, fork)
+    assert got[0] == got[1] == [[]] * 6, got

@@ -362,3 +362,38 @@ def replicated_fan_out(path: str) -> dict:
         if not torch.equal(t.to_local().view(torch.int16), full[n].view(torch.int16))
     ]
     return {"bad": bad, "relayed": relayed}
+
+
+def saves_in_flight(root: str, saves: int, in_flight: int, fork: bool) -> list[list[str]]:
+    """``saves`` async saves queued back to back through one ``AsyncSaver(max_in_flight=)``
+    (each a different state: the step is added to every tensor), none waited for until
+    the last; then each loaded back. Returns, per save, the tensors that do not match."""
+    import os
+
+    import reshard_svc
+    from reshard_svc.runtime import _compat
+    from reshard_svc.runtime.async_save import AsyncSaver
+
+    os.environ["RESHARD_ASYNC_FORK"] = "1" if fork else "0"
+    saver = AsyncSaver(max_in_flight=in_flight)
+    futures = []
+    for step in range(saves):
+        sd = build_state_dict((2,), 0)
+        for name in TENSORS:
+            leaf(sd, name).add_(step)  # in place: a DTensor stays a DTensor
+        futures.append(saver.save(sd, f"{root}/step-{step}"))
+    for f in futures:
+        f.result()
+    saver.close()
+    bad = []
+    for step in range(saves):
+        target = build_state_dict((2,), 1, fill=False)
+        reshard_svc.load(target, f"{root}/step-{step}")
+        wrong = []
+        for name in TENSORS:
+            v = leaf(target, name)
+            full = v.full_tensor() if _compat.is_dtensor(v) else v
+            if not torch.equal(full, full_tensor(name) + step):
+                wrong.append(name)
+        bad.append(wrong)
+    return bad
