@@ -23,34 +23,31 @@ the values at call time.
 
 Who owns what: each process group is driven by one thread (the caller's group by the
 caller's thread; the saver's group by its background thread, one save after another).
-The staging buffers are the background save's from ``_stage`` until that save has
-finished (committed or failed), then the saver's again (released, and reclaimed by the
-next ``_stage``). A forked writer's copy-on-write view is the child's until the
+The staging buffers (:class:`~reshard_svc.runtime.staging.Stager`) are the background
+save's from staging until that save has finished (committed or failed), then the
+stager's again. A forked writer's copy-on-write view is the child's until the
 background thread has collected it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from reshard_svc._process import fork_call
 from reshard_svc.errors import UsageError
 from reshard_svc.format.checksums import check_algorithm
 from reshard_svc.format.index import CheckpointIndex
-from reshard_svc.layout import Box
-from reshard_svc.runtime.buffers import reclaim, release
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commit, write_files
+from reshard_svc.runtime.staging import Stager, can_fork
 from reshard_svc.runtime.targets import replica_crcs
 from reshard_svc.storage import open_storage
 
@@ -61,16 +58,6 @@ logger = logging.getLogger(__name__)
 #: What a job is stopped with (torchrun, Slurm, a person): a forked writer leaves them to
 #: its trainer and finishes its files.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def can_fork(views: Iterable[torch.Tensor]) -> bool:
-    """Whether a snapshot of ``views`` may be a forked writer's copy-on-write view: CPU
-    tensors on a system with ``fork`` (``RESHARD_ASYNC_FORK=0`` turns it off)."""
-    return (
-        hasattr(os, "fork")
-        and os.environ.get("RESHARD_ASYNC_FORK", "1") != "0"
-        and all(v.device.type == "cpu" for v in views)
-    )
 
 
 class AsyncSaver:
@@ -91,7 +78,7 @@ class AsyncSaver:
         # one thread: saves in flight finish (and commit) one after another, in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-async-save")
         self._inflight: deque[Future[CheckpointIndex]] = deque()
-        self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        self._stager = Stager("the async save")  # reused while one save is in flight
         self._lock = threading.Lock()
 
     def save(
@@ -131,9 +118,10 @@ class AsyncSaver:
         for name, placed in prep.placed.items():
             for box in [b for b in placed.local if (name, b) not in keep]:
                 del placed.local[box]  # another rank writes it; nothing to keep
-        staged = self._stage(prep, contiguous_only=use_fork)
+        stager = self._stager if self.max_in_flight == 1 else Stager("the async save")
+        prep.placed = stager.stage(prep.placed, fork=use_fork)
         written = self._fork_writer(prep, comm.rank) if use_fork else None
-        future = self._pool.submit(self._write, prep, written, staged)
+        future = self._pool.submit(self._write, prep, written, stager)
         self._inflight.append(future)
         return future
 
@@ -141,44 +129,14 @@ class AsyncSaver:
         self,
         prep: PreparedSave,
         written: Callable[[], dict[str, Any]] | None,
-        staged: dict[tuple[str, Box], torch.Tensor],
+        stager: Stager,
     ) -> CheckpointIndex:
         """The background thread: write (or collect the forked writer), agree, commit;
-        then the staging buffers are the saver's again."""
+        then the staging buffers are the stager's again."""
         try:
             return write_and_commit(prep, self._back, written)
         finally:
-            for (name, box), buf in staged.items():
-                release(buf, f"the async save's staging buffer of {name!r} {box}")
-
-    def _stage(
-        self, prep: PreparedSave, contiguous_only: bool
-    ) -> dict[tuple[str, Box], torch.Tensor]:
-        """Copy views into staging buffers (all of them, or only the non-contiguous ones
-        when a forked writer will read the rest straight from copy-on-write memory);
-        returns the buffers, the background save's until it finishes."""
-        reuse = self.max_in_flight == 1  # buffers are free: the previous save is done
-        staged: dict[tuple[str, Box], torch.Tensor] = {}
-        with torch.no_grad():
-            for name, placed in prep.placed.items():
-                for box, view in list(placed.local.items()):
-                    if contiguous_only and view.is_contiguous():
-                        continue
-                    buf = self._buffers.get((name, box)) if reuse else None
-                    if buf is None or buf.shape != view.shape or buf.dtype != view.dtype:
-                        buf = torch.empty(
-                            view.shape, dtype=view.dtype, pin_memory=view.device.type == "cuda"
-                        )
-                    else:
-                        reclaim(buf, f"the async save's staging buffer of {name!r} {box}")
-                    buf.copy_(view, non_blocking=view.device.type == "cuda")
-                    placed.local[box] = buf
-                    staged[(name, box)] = buf
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-        if reuse:
-            self._buffers = staged
-        return staged
+            stager.release()
 
     def _fork_writer(self, prep: PreparedSave, rank: int) -> Callable[[], dict[str, Any]]:
         """Fork a process that writes this rank's files from the copy-on-write snapshot.

@@ -53,13 +53,13 @@ from reshard_svc.format.fast import (
     write_commit,
 )
 from reshard_svc.jobs.environment import NODE_RANK_ENV, node_rank
-from reshard_svc.layout import Box
 from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.plan.save import plan_save
-from reshard_svc.runtime.async_save import STOP_SIGNALS, can_fork
-from reshard_svc.runtime.buffers import BackgroundWriter, reclaim, release
+from reshard_svc.runtime.async_save import STOP_SIGNALS
+from reshard_svc.runtime.buffers import BackgroundWriter, release
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import WRITE_QUEUE_BYTES, saved_index, write_file
+from reshard_svc.runtime.staging import Stager, can_fork
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import Placed, describe
 from reshard_svc.sessions.fast_restore import Choice, FastRestore, RestoreInfo
@@ -116,23 +116,21 @@ class FastTier:
 
 
 class _Snapshot:
-    """This rank's tensors copied into staging buffers (reused from one save to the next),
-    and its JSON values.
+    """This rank's tensors, staged (:class:`~reshard_svc.runtime.staging.Stager`: buffers
+    reused from one save to the next, or a forked writer's copy-on-write view), and its
+    JSON values.
 
-    Ownership: the buffers are the background step's from :meth:`take` until that step
-    has finished (:meth:`FastSaves._write_step` releases them), then the snapshot's again
-    (reclaimed by the next :meth:`take`)."""
+    Ownership: the staging buffers are the background step's from :meth:`take` until that
+    step has finished (:meth:`FastSaves._write` releases them), then the stager's again."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        self.stager = Stager("the fast tier")
         self.placed: dict[str, Placed] = {}
         self.extras: dict[str, Any] = {}
 
     def take(self, state: Mapping[str, Any]) -> bool:
-        """Copy this rank's tensors into the staging buffers; when a forked writer may
-        snapshot them (CPU tensors), contiguous boxes stay the live views instead (its
-        copy-on-write memory holds them). Returns whether it may."""
-        placed: dict[str, Placed] = {}
+        """Stage this rank's tensors; returns whether a forked writer may write them (CPU
+        state: contiguous boxes stay live views, its copy-on-write memory holds them)."""
         extras: dict[str, Any] = {}
         described: dict[str, Placed] = {}
         for name, leaf in flatten(state).items():
@@ -141,38 +139,13 @@ class _Snapshot:
             else:
                 described[name] = describe(leaf)
         views = can_fork(v for p in described.values() for v in p.local.values())
-        used = set()
-        for name, live in described.items():
-            copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
-            for box, view in live.local.items():
-                if views and view.device.type == "cpu" and view.is_contiguous():
-                    copy.local[box] = view.detach()
-                    continue
-                key = (name, box)
-                buf = self.buffers.get(key)
-                if buf is None or buf.dtype != view.dtype or buf.shape != view.shape:
-                    buf = self.buffers[key] = torch.empty(
-                        tuple(view.shape), dtype=view.dtype, device="cpu"
-                    )
-                else:
-                    reclaim(buf, _snapshot_name(key))
-                buf.copy_(view.detach())
-                copy.local[box] = buf
-                used.add(key)
-            placed[name] = copy
-        for key in set(self.buffers) - used:
-            del self.buffers[key]
-        self.placed, self.extras = placed, extras
+        self.placed = self.stager.stage(described, fork=views)
+        self.extras = extras
         return views
 
     def release(self) -> None:
         """The background step is done with the buffers."""
-        for key, buf in self.buffers.items():
-            release(buf, _snapshot_name(key))
-
-
-def _snapshot_name(key: tuple[str, Box]) -> str:
-    return f"the fast tier's snapshot buffer of {key[0]!r} {key[1]}"
+        self.stager.release()
 
 
 # ---- who sends its part to whom
