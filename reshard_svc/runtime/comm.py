@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -145,13 +145,25 @@ class Comm:
         recv: torch.Tensor,
         recv_splits: Sequence[int],
     ) -> None:
-        ops = []
-        for buf, splits, op in ((send, send_splits, dist.isend), (recv, recv_splits, dist.irecv)):
+        segments: list[dict[int, torch.Tensor]] = [{}, {}]
+        for buf, splits, out in (
+            (send, send_splits, segments[0]),
+            (recv, recv_splits, segments[1]),
+        ):
             at = 0
             for peer, n in enumerate(splits):
                 if n:
-                    ops.append(dist.P2POp(op, buf[at : at + n], self._global(peer), self.group))
+                    out[peer] = buf[at : at + n]
                 at += n
+        self.swap(*segments)
+
+    def swap(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """Send ``sends[r]`` to rank ``r`` and receive each ``recvs[s]`` whole from rank
+        ``s`` (ranks of this group), in one batch; returns when all are done. Only the
+        ranks named take part (point to point): every torch.distributed point-to-point call
+        of the package is made here."""
+        ops = [dist.P2POp(dist.isend, t, self._global(r), self.group) for r, t in sends.items()]
+        ops += [dist.P2POp(dist.irecv, t, self._global(r), self.group) for r, t in recvs.items()]
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()

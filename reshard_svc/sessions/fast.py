@@ -201,7 +201,6 @@ class FastSaves:
         if dist.is_available() and dist.is_initialized():
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             self._group = dist.new_group(ranks=ranks, backend="gloo")
-        self._global = dist.get_process_group_ranks(self._group) if self._group is not None else [0]
         self._bg = Comm(self._group)  # the background thread's agreements
         self._lease: Lease | None = None
         try:
@@ -378,19 +377,10 @@ class FastSaves:
             return {}, ""
         size = torch.tensor([len(blob) if blob is not None else -1], dtype=torch.int64)
         sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
-        ops = [dist.P2POp(dist.isend, size, self._global[r], self._group) for r in to]
-        ops += [dist.P2POp(dist.irecv, sizes[s], self._global[s], self._group) for s in sources]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        self._bg.swap(dict.fromkeys(to, size), sizes)
         payload = torch.frombuffer(blob, dtype=torch.uint8) if blob else None
         boxes = {s: torch.empty(int(sizes[s]), dtype=torch.uint8) for s in sources if sizes[s] > 0}
-        ops = []
-        if payload is not None:
-            ops += [dist.P2POp(dist.isend, payload, self._global[r], self._group) for r in to]
-        ops += [dist.P2POp(dist.irecv, t, self._global[s], self._group) for s, t in boxes.items()]
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+        self._bg.swap(dict.fromkeys(to, payload) if payload is not None else {}, boxes)
         if blob is not None:  # gloo is done with it: a late read would send the pattern
             release(blob, "the fast tier's part message")
         missing = [s for s in sources if sizes[s] <= 0]

@@ -136,3 +136,24 @@ def test_the_executor_never_probes_a_plan():
             ):
                 wrong.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
     assert not wrong, "\n".join(wrong)
+
+
+POINT_TO_POINT = ("isend", "irecv", "batch_isend_irecv", "P2POp", "dist.send(", "dist.recv(")
+
+
+def test_point_to_point_calls_live_in_comm_alone():
+    """Every torch.distributed point-to-point call of the package is made by
+    ``runtime/comm.py`` (``Comm.swap``, ``Comm.exchange``): one place to read who sends
+    what to whom, and which thread drives which group."""
+    home = REPO / "reshard_svc" / "runtime" / "comm.py"
+    found = []
+    for root in SOURCES:
+        for path in sorted(root.rglob("*.py")):
+            if path == home:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if any(word in code for word in POINT_TO_POINT):
+                    found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert found == [], found
+    assert "batch_isend_irecv" in home.read_text()  # the guard still looks at the right file
