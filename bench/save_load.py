@@ -15,6 +15,12 @@ what it fetched, whichever is more).
 
     python bench/save_load.py [--size full|small] [--runs 3] [--dir /dev/shm/reshard-bench]
 
+``--ops host`` is the host's own case: one rank, 2 GiB of CPU bf16 state (64 MiB with
+``--size small``) saved to and loaded from ``--dir``, in this process, by ``save``/``load``
+with the host's ``io_threads`` and with one thread, against the floor measured in the same
+run: the same number of threads each writing (then reading) its share of the same bytes,
+CRC32C-summing them in 1 MiB pieces.
+
 Prints one JSON object per operation, then a summary object. The cost of checking is
 given twice: the ratio of the medians, and the median of each run's ratio (``_paired``),
 which a slow spell of the machine moves less.
@@ -23,11 +29,13 @@ which a slow spell of the machine moves less.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,6 +99,132 @@ def _replica_check_work(sd: dict) -> float:
     return float(common.timed(lambda: replica_crcs(placed, boxes))["wall_s"])
 
 
+def host_case(args: argparse.Namespace) -> None:
+    """One rank's save and load of CPU state against the host's floor (see the module
+    doc): JSON lines, medians of ``--runs``, the systems interleaved and rotated."""
+    import crc32c
+    import torch
+
+    import reshard_svc
+    from reshard_svc.plan.budget import io_threads
+
+    total = (2 << 30) if args.size == "full" else (64 << 20)
+    count = 16
+    g = torch.Generator().manual_seed(0)
+    state = {
+        f"layers.{i}.weight": torch.randn(total // count // 2, generator=g).to(torch.bfloat16)
+        for i in range(count)
+    }
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    raw = memoryview(torch.cat([v.view(torch.uint8) for v in state.values()]).numpy())
+    back = memoryview(bytearray(total))
+    threads = io_threads()
+    os.makedirs(args.dir, exist_ok=True)
+    path = os.path.join(args.dir, "host")
+    piece = 1 << 20
+
+    def shares() -> list[tuple[int, int]]:
+        step = -(-total // threads)
+        return [(a, min(total, a + step)) for a in range(0, total, step)]
+
+    def floor_write() -> None:
+        def one(i: int, a: int, b: int) -> None:
+            with open(os.path.join(args.dir, f"floor-{i}"), "wb") as f:
+                for at in range(a, b, piece):
+                    chunk = raw[at : min(b, at + piece)]
+                    crc32c.crc32c(chunk)
+                    f.write(chunk)
+
+        _in_threads(one, shares())
+
+    def floor_read() -> None:
+        def one(i: int, a: int, b: int) -> None:
+            with open(os.path.join(args.dir, f"floor-{i}"), "rb") as f:
+                for at in range(a, b, piece):
+                    chunk = back[at : min(b, at + piece)]
+                    f.readinto(chunk)
+                    crc32c.crc32c(chunk)
+
+        _in_threads(one, shares())
+
+    def ours_save(n: int) -> None:
+        reshard_svc.save(state, path, io_threads=n)
+
+    def clear() -> None:  # before a timed save: what the last one wrote goes untimed
+        shutil.rmtree(path, ignore_errors=True)
+        for i in range(threads):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.dir, f"floor-{i}"))
+
+    ops = {
+        ("save", "floor"): floor_write,
+        ("save", "ours"): lambda: ours_save(threads),
+        ("save", "ours-1thread"): lambda: ours_save(1),
+        ("load", "floor"): floor_read,
+        ("load", "ours"): lambda: reshard_svc.load(target, path),
+    }
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in ops}
+    try:
+        for run in range(args.runs):
+            for op in ("save", "load"):
+                for key in common.rotated(tuple(k for k in ops if k[0] == op), run):
+                    if op == "save":
+                        clear()
+                    elif key == ("load", "ours") and not os.path.exists(path):
+                        ours_save(threads)  # what the load reads: the default save
+                    elif key == ("load", "floor") and not os.path.exists(f"{args.dir}/floor-0"):
+                        floor_write()
+                    started = time.perf_counter()
+                    ops[key]()
+                    times[key].append(time.perf_counter() - started)
+        for k, v in target.items():
+            if not torch.equal(v.view(torch.int16), state[k].view(torch.int16)):
+                raise SystemExit(f"host case: {k} did not load back bitwise")
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    summary: dict[str, object] = {
+        "bench": "save_load",
+        "op": "host",
+        "bytes": total,
+        "io_threads": threads,
+        "runs": args.runs,
+    }
+    for (op, system), walls in times.items():
+        wall = statistics.median(walls)
+        print(
+            json.dumps(
+                {
+                    "bench": "save_load",
+                    "op": f"host {op} (1 rank, CPU state, {threads} I/O threads)",
+                    "system": system,
+                    "wall_s": round(wall, 3),
+                    "gb_s": round(total / wall / 1e9, 2),
+                    "wall_s_all": [round(w, 3) for w in walls],
+                }
+            )
+        )
+    for op in ("save", "load"):
+        floor = statistics.median(times[(op, "floor")])
+        summary[f"host_{op}_speed_over_floor"] = round(
+            floor / statistics.median(times[(op, "ours")]), 2
+        )
+    summary["host_save_1thread_speed_over_floor"] = round(
+        statistics.median(times[("save", "floor")])
+        / statistics.median(times[("save", "ours-1thread")]),
+        2,
+    )
+    print(json.dumps(summary))
+
+
+def _in_threads(fn, ranges: list[tuple[int, int]]) -> None:
+    """``fn(i, a, b)`` for each range on a thread of its own; the first error re-raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(ranges)) as pool:
+        for f in [pool.submit(fn, i, a, b) for i, (a, b) in enumerate(ranges)]:
+            f.result()
+
+
 def variants(op: str, which: str) -> tuple[str, ...]:
     """The systems measured for ``op``: ``--variants all`` or just the defaults vs DCP."""
     if which == "defaults":
@@ -113,10 +247,16 @@ def main() -> None:
     common.add_variants(
         ap, "ours (crc32c), ours-none, ours-unchecked, ours-direct, dcp+ours and dcp"
     )
-    ap.add_argument("--ops", help="comma-separated subset of save2d,save,tp,rep (loads need save)")
+    ap.add_argument(
+        "--ops",
+        help="comma-separated subset of save2d,save,tp,rep (loads need save); or host: one "
+        "rank's save and load of CPU state against the host's floor",
+    )
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.ops == "host":
+        return host_case(args)
 
     os.makedirs(args.dir, exist_ok=True)
     results = os.path.join(args.dir, "results.jsonl")

@@ -12,18 +12,37 @@ user takes its share by name, never by a divisor of its own:
 * :attr:`Budget.total` — a wave: every rank's in-flight bytes, summed over its items.
 
 :data:`DEFAULTS` holds the one default of each verb.
+
+A rank's I/O threads (``io_threads``: its checking writers and readers) are parsed here
+too, once, by :func:`io_threads`: a count given to a verb, else ``RESHARD_IO_THREADS``,
+else what the host gives this rank (the CPUs this process may use, shared by the ranks on
+its node, at most :data:`MAX_IO_THREADS`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal
 
 from reshard_svc.errors import UsageError
 
-__all__ = ["DEFAULTS", "Budget", "Verb", "parse_size"]
+__all__ = [
+    "DEFAULTS",
+    "IO_THREADS_ENV",
+    "MAX_IO_THREADS",
+    "Budget",
+    "Verb",
+    "io_threads",
+    "parse_size",
+]
+
+#: A rank's I/O threads when a verb is given none (a count).
+IO_THREADS_ENV = "RESHARD_IO_THREADS"
+#: The most I/O threads a rank takes by itself (storage rarely gains past it).
+MAX_IO_THREADS = 16
 
 Verb = Literal["convert", "load", "transfer"]
 
@@ -112,3 +131,31 @@ class Budget:
     def buffers(self) -> int:
         """Bytes of a convert's pooled band buffers."""
         return max(1, self.total // 2)
+
+
+def io_threads(value: int | str | None = None) -> int:
+    """A rank's I/O thread count: ``value`` (an int or its text), else
+    ``RESHARD_IO_THREADS``, else the CPUs this process may use divided among the ranks on
+    its node (``LOCAL_WORLD_SIZE``), between 1 and :data:`MAX_IO_THREADS`. Zero, a
+    negative number or text that is not a count is a :class:`UsageError` naming it."""
+    where = "io_threads"
+    if value is None and os.environ.get(IO_THREADS_ENV, "").strip():
+        value, where = os.environ[IO_THREADS_ENV], IO_THREADS_ENV
+    if value is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        try:
+            ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        except ValueError:
+            ranks = 1
+        return max(1, min(MAX_IO_THREADS, cpus // ranks))
+    count: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        count = int(value.strip())
+    if count is None or count < 1:
+        raise UsageError(f"{where} must be a count of threads (1 or more), got {value!r}")
+    return count

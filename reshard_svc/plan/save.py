@@ -13,6 +13,7 @@ any data moves.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +48,17 @@ class SavePlan:
 
 
 def plan_save(
-    tensors: Mapping[str, Holdings], world: int, *, token: str = "", file_suffix: str = ""
+    tensors: Mapping[str, Holdings],
+    world: int,
+    *,
+    token: str = "",
+    file_suffix: str = "",
+    files_per_rank: int = 1,
 ) -> SavePlan:
     """Plan a save of ``tensors`` (name -> holdings) by ``world`` ranks. Same inputs, same
-    plan, on every rank."""
+    plan, on every rank. ``files_per_rank``: a rank's boxes are spread over up to that
+    many files of similar size (one per I/O thread, written at once; see
+    :func:`rank_files`)."""
     load = [0] * world
     per_rank: dict[int, list[tuple[str, Box]]] = {}
     dtypes = {name: dtype_from_name(t.dtype) for name, t in tensors.items()}
@@ -65,7 +73,12 @@ def plan_save(
     chunks: dict[str, list[Chunk]] = {name: [] for name in tensors}
     for rank in sorted(per_rank):
         for spec, placed in rank_files(
-            rank, per_rank[rank], dtypes, marked=bool(token), file_suffix=file_suffix
+            rank,
+            per_rank[rank],
+            dtypes,
+            marked=bool(token),
+            file_suffix=file_suffix,
+            files=files_per_rank,
         ):
             files.append(spec)
             for n, c in placed:
@@ -75,6 +88,29 @@ def plan_save(
     )
 
 
+#: A rank's group of boxes is split over several files only into files at least this big.
+MIN_SPLIT_BYTES = 64 * 1024 * 1024
+
+
+def _split(
+    group: list[tuple[str, Box]], dtypes: Mapping[str, Any], files: int
+) -> list[list[tuple[str, Box]]]:
+    """``group`` cut in order into up to ``files`` runs of similar byte size."""
+    sizes = [math.prod(b.sizes) * dtypes[n].itemsize for n, b in group]
+    total = sum(sizes)
+    parts = min(files, len(group), total // MIN_SPLIT_BYTES)
+    if parts <= 1:
+        return [group]
+    out: list[list[tuple[str, Box]]] = [[]]
+    done = 0
+    for entry, size in zip(group, sizes):
+        if out[-1] and len(out) < parts and done >= total * len(out) / parts:
+            out.append([])
+        out[-1].append(entry)
+        done += size
+    return out
+
+
 def rank_files(
     rank: int,
     entries: list[tuple[str, Box]],
@@ -82,11 +118,15 @@ def rank_files(
     *,
     marked: bool = False,
     file_suffix: str = "",
+    files: int = 1,
 ) -> list[tuple[FileSpec, list[tuple[str, Chunk]]]]:
     """The files rank ``rank`` writes for ``entries`` (tensor, box), in order: the k-th box
     of each tensor in its k-th file (one key per name per file), each header known here,
     with ``DCP_SHARDING_INFO`` as torch's HF writer records it; and where each box lands.
-    ``marked`` (a staged save): the header says so."""
+    ``marked`` (a staged save): the header says so. ``files`` > 1: each such group is cut,
+    in order, into up to that many files of similar size (none under
+    :data:`MIN_SPLIT_BYTES`), so that as many threads can write them at once (writers of
+    one file share its lock)."""
     groups: list[list[tuple[str, Box]]] = []
     seen: dict[str, int] = {}
     for name, box in entries:
@@ -95,6 +135,7 @@ def rank_files(
         if k == len(groups):
             groups.append([])
         groups[k].append((name, box))
+    groups = [part for group in groups for part in _split(group, dtypes, files)]
     out = []
     for k, group in enumerate(groups):
         fname = f"shard-{rank:05d}-{k:03d}{file_suffix}.safetensors"

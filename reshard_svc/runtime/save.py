@@ -17,7 +17,7 @@ stages pass their own layers):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +31,12 @@ from reshard_svc.format.collect import TargetRun
 from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name, st_code
 from reshard_svc.layout import Box, Layout
+from reshard_svc.plan.budget import io_threads
 from reshard_svc.plan.items import Holdings
 from reshard_svc.plan.save import FileSpec, SavePlan, plan_save
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.io_pool import WritePool
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import (
     Placed,
@@ -76,6 +78,29 @@ def box_bands(view: torch.Tensor) -> list[torch.Tensor]:
     return [view[i : i + step] for i in range(0, view.shape[0], step)]
 
 
+def _file_data(
+    spec: FileSpec, placed: dict[str, Placed], crcs: dict[tuple[str, Box], int]
+) -> Iterator[tuple[int, memoryview, torch.Tensor]]:
+    """Each band of the file's boxes as (file offset, its bytes, the tensor holding them),
+    in file order; the CRC32C of each box in ``crcs`` (a replicated one) is set from the
+    same bands on the way. Bands of CPU boxes are views; others are copied one at a time."""
+    at = len(spec.header)
+    for name, box in spec.entries:
+        view = placed[name].local.get(box)
+        if view is None:  # the plan only assigns boxes to their holders
+            raise CheckpointError(f"rank holds no data for {name!r} box {box}")
+        crc = 0 if (name, box) in crcs else None
+        for band in box_bands(view.detach()):
+            band = band.to("cpu").contiguous()
+            data = tensor_bytes(band)
+            if crc is not None:
+                crc = crc32c.crc32c(data, crc)
+            yield at, data, band
+            at += data.nbytes
+        if crc is not None:
+            crcs[(name, box)] = int(crc)
+
+
 def write_file(
     staging: Storage,
     spec: FileSpec,
@@ -84,28 +109,45 @@ def write_file(
     checksum: str,
     crcs: dict[tuple[str, Box], int],
 ) -> list[Any]:
-    """Write one file; for the boxes in ``crcs`` (replicated ones), set their CRC32C,
-    computed from the same bands on their way to the writer."""
+    """Write one file front to back; for the boxes in ``crcs`` (replicated ones), set
+    their CRC32C, computed from the same bands on their way to the writer."""
     with staging.open_write(spec.name) as raw:
         w = HashingWriter(raw, checksum, DEFAULT_BLOCK_SIZE)
         w.write(spec.header)
-        for name, box in spec.entries:
-            view = placed[name].local.get(box)
-            if view is None:  # the plan only assigns boxes to their holders
-                raise CheckpointError(f"rank holds no data for {name!r} box {box}")
-            crc = 0 if (name, box) in crcs else None
-            for band in box_bands(view.detach()):
-                band = band.to("cpu").contiguous()
-                data = tensor_bytes(band)
-                if crc is not None:
-                    crc = crc32c.crc32c(data, crc)
-                background.submit(w, data, keep=band)
-            if crc is not None:
-                crcs[(name, box)] = int(crc)
+        for _, data, band in _file_data(spec, placed, crcs):
+            background.submit(w, data, keep=band)
         background.drain()
     if w.size != spec.size:
         raise CheckpointError(f"{spec.name}: wrote {w.size} bytes, planned {spec.size}")
     return [spec.name, w.size, w.result()]
+
+
+def write_files_pooled(
+    staging: Storage,
+    specs: list[FileSpec],
+    placed: dict[str, Placed],
+    pool: WritePool,
+    checksum: str,
+    crcs: dict[tuple[str, Box], int],
+) -> list[list[Any]]:
+    """Write files with the pool's threads, each range at its planned offset, the files at
+    once (:mod:`reshard_svc.runtime.io_pool`: their ranges are queued in turn, so every
+    lane has work); as :func:`write_file` otherwise."""
+    sizes = [(spec.name, spec.size) for spec in specs]
+    with pool.files(staging, sizes, checksum, DEFAULT_BLOCK_SIZE) as outs:
+        feeds = []
+        for spec, out in zip(specs, outs):
+            out.put(0, memoryview(spec.header))
+            feeds.append((out, _file_data(spec, placed, crcs)))
+        while feeds:
+            for entry in list(feeds):
+                out, data = entry
+                band = next(data, None)
+                if band is None:
+                    feeds.remove(entry)
+                else:
+                    out.put(band[0], band[1], keep=band[2])
+        return [out.close() for out in outs]
 
 
 @dataclass(kw_only=True)
@@ -127,6 +169,8 @@ class PreparedSave:
     replicas: dict[str, list[Box]] = field(default_factory=dict)
     #: this rank's CRC32Cs of replicated boxes computed before writing (async saves)
     early_crcs: dict[str, Any] = field(default_factory=dict)
+    #: this rank's checking writers (:func:`~reshard_svc.plan.budget.io_threads`)
+    io_threads: int = 1
 
 
 def _describe_mine(state_dict: Mapping[str, Any]) -> tuple[dict[str, Placed], dict[str, Any]]:
@@ -188,9 +232,11 @@ def prepare_save(
     checksum: str = "crc32c",
     overwrite: bool = False,
     check_replicas: bool = True,
+    threads: int | str | None = None,
 ) -> PreparedSave:
     """Every rank: take the target (rank 0), describe the state dict, learn every tensor's
-    holders, and plan the files."""
+    holders, and plan the files. ``threads``: the rank's I/O threads (``io_threads``)."""
+    count = io_threads(threads)
     run, tokens = comm.run_everywhere(
         f"save({uri!r}): taking the target",
         lambda: TargetRun(storage, "save", overwrite) if comm.rank == 0 else None,
@@ -206,7 +252,12 @@ def prepare_save(
         raise
     holdings = got.holdings["save"]
     staging = storage.staging(token)
-    plan = plan_save(holdings, comm.world, token=token, file_suffix=staging.file_suffix)
+    # one file per I/O thread where the storage takes them at once: a count every rank
+    # plans with (the most any rank has), whatever each writes its own with
+    files = comm.all_reduce_max([count])[0] if staging.positional_writes else 1
+    plan = plan_save(
+        holdings, comm.world, token=token, file_suffix=staging.file_suffix, files_per_rank=files
+    )
     return PreparedSave(
         uri=uri,
         storage=storage,
@@ -219,6 +270,7 @@ def prepare_save(
         checksum=checksum,
         run=run,
         replicas=replicated(holdings) if check_replicas else {},
+        io_threads=count,
     )
 
 
@@ -229,15 +281,22 @@ def _sides(state_dict: Mapping[str, Any]) -> tuple[dict[str, dict[str, Placed]],
 
 def write_files(prep: PreparedSave, rank: int, staging: Storage | None = None) -> dict[str, Any]:
     """This rank's share of the data files (no collectives): ``{"files": [[name, size,
-    sums], ...], "replicas": {tensor: [[offsets, crc], ...]}}``."""
+    sums], ...], "replicas": {tensor: [[offsets, crc], ...]}}``. Local files are written
+    by ``prep.io_threads`` checking writers at their planned offsets; other storage, and
+    sha256 files, front to back."""
     staging = staging or prep.staging
     written = {(n, b) for spec in prep.plan.files_of(rank) for n, b in spec.entries}
     crcs = {(n, b): 0 for n, bs in prep.replicas.items() for b in bs if (n, b) in written}
-    with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
-        files = [
-            write_file(staging, spec, prep.placed, background, prep.checksum, crcs)
-            for spec in prep.plan.files_of(rank)
-        ]
+    if staging.positional_writes and prep.checksum != "sha256":
+        with WritePool(prep.io_threads, WRITE_QUEUE_BYTES) as pool:
+            specs = list(prep.plan.files_of(rank))
+            files = write_files_pooled(staging, specs, prep.placed, pool, prep.checksum, crcs)
+    else:
+        with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
+            files = [
+                write_file(staging, spec, prep.placed, background, prep.checksum, crcs)
+                for spec in prep.plan.files_of(rank)
+            ]
     held_only = {n: [b for b in bs if (n, b) not in written] for n, bs in prep.replicas.items()}
     report = replica_crcs(prep.placed, held_only)
     for (name, box), crc in crcs.items():
@@ -326,6 +385,7 @@ def save(
     checksum: str = "crc32c",
     overwrite: bool = False,
     check_replicas: bool = True,
+    io_threads: int | str | None = None,
 ) -> CheckpointIndex:
     """Save a (nested) state dict of DTensors, Tensors, ShardedTensors, LocalShards and
     JSON values.
@@ -341,9 +401,13 @@ def save(
     replicated boxes), their CRC32Cs must agree, or every rank raises
     :class:`~reshard_svc.errors.ReplicaMismatchError` and nothing is committed;
     ``check_replicas=False`` skips the comparison (one holder's copy is saved).
+    ``io_threads``: this rank's checking writers (default: ``RESHARD_IO_THREADS``, else
+    from the CPUs this process may use and the ranks on its node).
     """
     algorithm = check_algorithm(checksum)
     comm = Comm(process_group)
     storage = open_storage(uri, storage_options)
-    prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite, check_replicas)
+    prep = prepare_save(
+        state_dict, uri, comm, storage, algorithm, overwrite, check_replicas, io_threads
+    )
     return write_and_commit(prep, comm)

@@ -66,6 +66,9 @@ class Storage(Protocol):
     local_files: bool
     latency_s: float
     bandwidth: float
+    #: :meth:`positional_writer` works: files can be written at any offset, from several
+    #: threads at once (local files); otherwise a file is written front to back.
+    positional_writes: bool
 
     def exists(self, name: str) -> bool: ...
 
@@ -106,6 +109,15 @@ class Storage(Protocol):
         ...
 
     def open_write(self, name: str) -> IO[bytes]: ...
+
+    def positional_writer(
+        self, name: str, size: int
+    ) -> AbstractContextManager[Callable[[int, memoryview], None]]:
+        """A new file of ``size`` bytes held open for writes at any offset:
+        ``pwrite(offset, data)``, callable from several threads at once. Leaving the
+        block makes it durable where the storage syncs files. Only where
+        :attr:`positional_writes`."""
+        ...
 
     def write(self, name: str, data: bytes) -> None: ...
 

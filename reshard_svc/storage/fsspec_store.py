@@ -31,6 +31,7 @@ from reshard_svc.errors import (
     ReshardError,
     StorageError,
     TargetExistsError,
+    UsageError,
 )
 from reshard_svc.storage.base import COMMIT_FILE as INDEX_FILE
 from reshard_svc.storage.base import CollectReport, LeaseHeld, LeaseLost, LeaseState
@@ -71,6 +72,7 @@ class FsspecStorage:
 
     #: Capabilities the runtime plans with (see :class:`~reshard_svc.storage.base.Storage`).
     local_files = False
+    positional_writes = False  # an object store's upload goes front to back
     latency_s = 3e-2
     bandwidth = 5e8
 
@@ -192,6 +194,13 @@ class FsspecStorage:
     def open_write(self, name: str) -> IO[bytes]:
         with translate_errors("write", self.path(name)):
             return self.fs.open(self.path(name), "wb")  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def positional_writer(
+        self, name: str, size: int
+    ) -> Iterator[Callable[[int, memoryview], None]]:
+        raise UsageError(f"{self.uri} takes files front to back (positional_writes is False)")
+        yield  # pragma: no cover - a generator for contextmanager
 
     def write(self, name: str, data: bytes) -> None:
         with translate_errors("write", self.path(name)):

@@ -93,6 +93,24 @@ def _sync_file_range() -> Callable[[int, int, int], None] | None:
 _start_writeback = _sync_file_range()
 
 
+def _pwrite_all(fd: int, path: str, offset: int, data: memoryview) -> None:
+    """All of ``data`` at ``offset`` (``pwrite`` may write less than asked)."""
+    view = memoryview(data).cast("B")
+    with translate_errors("write", path):
+        while view.nbytes:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+
+
+def _pwrite_kicked(fd: int, path: str, offset: int, data: memoryview) -> None:
+    """:func:`_pwrite_all`, then ask the disk to start writing those bytes (not waiting),
+    as :class:`DurableFile` does every :attr:`~DurableFile.WRITEBACK_BYTES`: a durable file
+    is not all left to its closing fsync."""
+    _pwrite_all(fd, path, offset, data)
+    if _start_writeback is not None:
+        _start_writeback(fd, offset, memoryview(data).nbytes)
+
+
 class DurableFile(io.FileIO):
     """A data file that reaches the disk before it is closed (``fsync`` in ``close``).
 
@@ -138,6 +156,7 @@ class LocalStorage(LocalLease, FsspecStorage):
     """A checkpoint folder on the local filesystem."""
 
     local_files = True  # memory maps, positioned reads into place, commit by rename
+    positional_writes = True  # pwrite from several threads
     latency_s = 5e-5
     bandwidth = 3e9
 
@@ -209,6 +228,28 @@ class LocalStorage(LocalLease, FsspecStorage):
             if self.sync_files:
                 return DurableFile(self.path(name), "wb")
             return open(self.path(name), "wb")  # noqa: SIM115 - caller closes
+
+    @contextlib.contextmanager
+    def positional_writer(
+        self, name: str, size: int
+    ) -> Iterator[Callable[[int, memoryview], None]]:
+        """A new file of ``size`` bytes, written with ``pwrite`` from any thread; fsynced on
+        leaving the block when this storage syncs files (closed unsynced on an error: the
+        file is abandoned with its staging folder)."""
+        path = self.path(name)
+        with translate_errors("write", path):
+            os.makedirs(self.root, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            with translate_errors("write", path):
+                os.ftruncate(fd, size)
+            kick = self.sync_files and _start_writeback is not None
+            yield functools.partial(_pwrite_kicked if kick else _pwrite_all, fd, path)
+            if self.sync_files:
+                with translate_errors("write", path):
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def write(self, name: str, data: bytes) -> None:
         with translate_errors("write", self.path(name)):

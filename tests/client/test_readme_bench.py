@@ -24,11 +24,13 @@ def bench_commands() -> list[list[str]]:
     return [c for c in cmds if c]
 
 
-def smoke_flags(script: str, scratch: Path) -> list[str]:
+def smoke_flags(script: str, scratch: Path, cmd: list[str] = ()) -> list[str]:
     if script == "bench/plan.py":
         return ["--layers", "2", "--torch-ranks", "1", "--moe-layers", "1", "--runs", "1"]
     if script == "bench/transfer.py":
         return ["--size", "small", "--runs", "1"]
+    if script == "bench/save_load.py" and "--ops" in cmd:  # the host case: as written
+        return ["--size", "small", "--runs", "1", "--dir", str(scratch)]
     if script == "bench/save_load.py":  # the variants and the other loads: the same code
         return [
             "--size",
@@ -71,7 +73,7 @@ def test_readme_bench_command_prints_json(cmd, tmp_path):
     if cmd[0] != ".venv/bin/python":
         raise AssertionError(f"unexpected README bench command {cmd}")
     script = cmd[1]
-    argv = [sys.executable, *cmd[1:], *smoke_flags(script, tmp_path / "scratch")]
+    argv = [sys.executable, *cmd[1:], *smoke_flags(script, tmp_path / "scratch", cmd)]
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]

@@ -1,0 +1,168 @@
+"""The pool of checking writers: a rank's files written by ``io_threads`` threads at their
+planned offsets, block CRC32Cs built from the parts each thread summed.
+
+Real files, one process: every file verifies and each of its block CRC32Cs equals a direct
+CRC32C of the file's bytes; the state loads back bitwise; a writer thread's error fails
+the save with nothing committed and no thread left over."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+
+import crc32c
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reshard_svc
+from reshard_svc.errors import StorageError, UsageError
+from reshard_svc.format.checksums import DEFAULT_BLOCK_SIZE
+from reshard_svc.plan.budget import IO_THREADS_ENV, io_threads
+from reshard_svc.runtime import io_pool
+
+
+def _state(sizes: list[int], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, n in enumerate(sizes):
+        t = torch.randint(0, 255, (n,), generator=g, dtype=torch.uint8)
+        out[f"t{i}"] = t.view(torch.bfloat16) if n % 2 == 0 else t
+    out["strided"] = torch.arange(3000, dtype=torch.float32).view(60, 50)[:, ::3]
+    return out
+
+
+def _direct_blocks(path: str) -> list[int]:
+    out = []
+    with open(path, "rb") as f:
+        while block := f.read(DEFAULT_BLOCK_SIZE):
+            out.append(crc32c.crc32c(block))
+    return out
+
+
+def _assert_saved_whole(root: str, state: dict[str, torch.Tensor]) -> None:
+    assert reshard_svc.verify(root).ok
+    index = json.loads(open(os.path.join(root, "reshard.index.json")).read())
+    for name, meta in index["files"].items():
+        want = bytes.fromhex(meta["blocks"])
+        got = b"".join(c.to_bytes(4, "big") for c in _direct_blocks(os.path.join(root, name)))
+        assert got == want, name
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    reshard_svc.load(back, root)
+    for k, v in state.items():
+        assert torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3 * DEFAULT_BLOCK_SIZE + 17), min_size=1, max_size=5),
+    threads=st.sampled_from([1, 2, 7]),
+    seed=st.integers(0, 2**16),
+)
+def test_files_written_by_the_pool_verify_and_match_a_direct_crc32c(
+    tmp_path_factory, sizes, threads, seed
+):
+    root = str(tmp_path_factory.mktemp("pool") / "ckpt")
+    state = _state(sizes, seed)
+    reshard_svc.save(state, root, io_threads=threads)
+    _assert_saved_whole(root, state)
+
+
+def test_tasks_cut_a_long_range_at_block_bounds(tmp_path, monkeypatch):
+    monkeypatch.setattr(io_pool, "TASK", 2 * DEFAULT_BLOCK_SIZE)  # many tasks per file
+    state = _state([5 * DEFAULT_BLOCK_SIZE + 3, 7], 1)
+    reshard_svc.save(state, str(tmp_path / "ckpt"), io_threads=3)
+    _assert_saved_whole(str(tmp_path / "ckpt"), state)
+
+
+def test_a_writer_threads_error_fails_the_save_and_nothing_is_committed(tmp_path, monkeypatch):
+    from reshard_svc.storage import local
+
+    real = local._pwrite_all
+    calls = []
+
+    def full_disk(fd, path, offset, data):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise StorageError(f"write {path}: [Errno {errno.ENOSPC}] No space left on device")
+        real(fd, path, offset, data)
+
+    monkeypatch.setattr(local, "_pwrite_all", full_disk)
+    before = {t.name for t in threading.enumerate()}
+    root = tmp_path / "ckpt"
+    with pytest.raises(StorageError, match="No space left"):
+        reshard_svc.save(_state([3 * DEFAULT_BLOCK_SIZE], 2), str(root), io_threads=2)
+    assert not (root / "reshard.index.json").exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-io")], before
+
+
+@pytest.mark.parametrize("bad", [0, -2, "x", "1.5", "", True])
+def test_io_threads_that_is_not_a_count_is_a_usage_error_naming_it(bad, tmp_path):
+    with pytest.raises(UsageError, match="io_threads must be a count"):
+        reshard_svc.save({"t": torch.ones(3)}, str(tmp_path / "c"), io_threads=bad)
+
+
+def test_io_threads_defaults_from_the_environment_then_the_host(monkeypatch):
+    monkeypatch.setenv(IO_THREADS_ENV, "5")
+    assert io_threads() == 5
+    monkeypatch.setenv(IO_THREADS_ENV, "many")
+    with pytest.raises(UsageError, match=IO_THREADS_ENV):
+        io_threads()
+    monkeypatch.delenv(IO_THREADS_ENV)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    host = io_threads()
+    assert 1 <= host <= 16 and host <= len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
+    assert io_threads() == 1
+
+
+def test_a_ranks_boxes_spread_over_one_file_per_thread_verify_and_load(tmp_path, monkeypatch):
+    from reshard_svc.plan import save as plan_save_module
+
+    monkeypatch.setattr(plan_save_module, "MIN_SPLIT_BYTES", 1 << 20)
+    state = _state(
+        [3 * DEFAULT_BLOCK_SIZE + 5, 2 * DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE + 7, 9], 3
+    )
+    root = str(tmp_path / "ckpt")
+    reshard_svc.save(state, root, io_threads=3)
+    index = json.loads(open(os.path.join(root, "reshard.index.json")).read())
+    assert len(index["files"]) == 3, sorted(index["files"])
+    _assert_saved_whole(root, state)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    files=st.integers(1, 6),
+    world=st.integers(1, 3),
+)
+def test_the_plan_spreads_each_ranks_boxes_over_files_once_in_order(sizes, files, world):
+    from reshard_svc.layout import Box
+    from reshard_svc.plan import save as plan_save_module
+    from reshard_svc.plan.items import Held, Holdings
+
+    unit = plan_save_module.MIN_SPLIT_BYTES // 8  # a box of 8 units fills a split file
+    tensors = {
+        f"t{i:02d}": Holdings(
+            dtype="uint8",
+            itemsize=1,
+            shape=(n * unit,),
+            held=(Held(box=Box((0,), (n * unit,)), holders=(i % world,)),),
+            layout=None,
+        )
+        for i, n in enumerate(sizes)
+    }
+    one = plan_save_module.plan_save(tensors, world)
+    split = plan_save_module.plan_save(tensors, world, files_per_rank=files)
+    assert one.chunks.keys() == split.chunks.keys()
+    for rank in range(world):
+        flat = [e for spec in split.files_of(rank) for e in spec.entries]
+        assert flat == [e for spec in one.files_of(rank) for e in spec.entries]  # once, in order
+        specs = split.files_of(rank)
+        total = sum(spec.size - len(spec.header) for spec in specs)
+        assert len(specs) <= max(1, min(files, len(flat), total // (8 * unit)))
+        names = [spec.name for spec in specs]
+        assert len(set(names)) == len(names)
