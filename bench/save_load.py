@@ -127,23 +127,18 @@ def host_case(args: argparse.Namespace) -> None:
         step = -(-total // threads)
         return [(a, min(total, a + step)) for a in range(0, total, step)]
 
-    def floor_write() -> None:
-        def one(i: int, a: int, b: int) -> None:
-            with open(os.path.join(args.dir, f"floor-{i}"), "wb") as f:
-                for at in range(a, b, piece):
-                    chunk = raw[at : min(b, at + piece)]
-                    crc32c.crc32c(chunk)
-                    f.write(chunk)
+    def floor(write: bool) -> None:
+        """Each thread writes (sums, then writes) or reads (reads, then sums) its share."""
 
-        _in_threads(one, shares())
-
-    def floor_read() -> None:
         def one(i: int, a: int, b: int) -> None:
-            with open(os.path.join(args.dir, f"floor-{i}"), "rb") as f:
+            with open(os.path.join(args.dir, f"floor-{i}"), "wb" if write else "rb") as f:
                 for at in range(a, b, piece):
-                    chunk = back[at : min(b, at + piece)]
-                    f.readinto(chunk)
-                    crc32c.crc32c(chunk)
+                    if write:
+                        crc32c.crc32c(raw[at : min(b, at + piece)])
+                        f.write(raw[at : min(b, at + piece)])
+                    else:
+                        f.readinto(back[at : min(b, at + piece)])
+                        crc32c.crc32c(back[at : min(b, at + piece)])
 
         _in_threads(one, shares())
 
@@ -157,10 +152,10 @@ def host_case(args: argparse.Namespace) -> None:
                 os.remove(os.path.join(args.dir, f"floor-{i}"))
 
     ops = {
-        ("save", "floor"): floor_write,
+        ("save", "floor"): lambda: floor(write=True),
         ("save", "ours"): lambda: ours_save(threads),
         ("save", "ours-1thread"): lambda: ours_save(1),
-        ("load", "floor"): floor_read,
+        ("load", "floor"): lambda: floor(write=False),
         ("load", "ours"): lambda: reshard_svc.load(target, path),
     }
     times: dict[tuple[str, str], list[float]] = {k: [] for k in ops}
@@ -173,7 +168,7 @@ def host_case(args: argparse.Namespace) -> None:
                     elif key == ("load", "ours") and not os.path.exists(path):
                         ours_save(threads)  # what the load reads: the default save
                     elif key == ("load", "floor") and not os.path.exists(f"{args.dir}/floor-0"):
-                        floor_write()
+                        floor(write=True)
                     started = time.perf_counter()
                     ops[key]()
                     times[key].append(time.perf_counter() - started)
