@@ -102,6 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def exchange_backend(gpus: int, local_workers: int) -> tuple[str, str]:
+    """Where a worker's exchange runs: ``("nccl", "")`` when every worker on this node gets
+    a GPU of its own, else ``("gloo", why)``. A worker never sets a device that does not
+    exist (two workers on a one-GPU host would ask for ``cuda:1``)."""
+    if gpus >= local_workers >= 1:
+        return "nccl", ""
+    if gpus == 0:
+        return "gloo", ""
+    return "gloo", f"{local_workers} workers on this node but {gpus} GPU(s): one GPU each is needed"
+
+
 def run(spec: ConvertSpec, reporter: EventReporter) -> int:
     """Join the process group (NCCL with GPUs, else gloo), convert, report; 0 once committed."""
     # What is imported here (torch: hundreds of thousands of objects) lives until exit.
@@ -115,9 +126,13 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
 
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) >= 1
     if distributed and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        backend, why = exchange_backend(gpus, local)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        elif why and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            logger.warning("exchange on the CPU (gloo): %s", why)
         dist.init_process_group(backend)
     rank = dist.get_rank() if dist.is_initialized() else 0
     started = time.time()
