@@ -45,6 +45,7 @@ from reshard_svc._process import fork_call
 from reshard_svc.errors import UsageError
 from reshard_svc.format.checksums import check_algorithm
 from reshard_svc.format.index import CheckpointIndex
+from reshard_svc.plan.budget import io_threads as count_io_threads
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commit, write_files
 from reshard_svc.runtime.staging import Stager, can_fork
@@ -63,10 +64,17 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 class AsyncSaver:
     """Background saves for one process group. Create it on every rank (collective)."""
 
-    def __init__(self, process_group: Any = None, max_in_flight: int = 1) -> None:
+    def __init__(
+        self,
+        process_group: Any = None,
+        max_in_flight: int = 1,
+        io_threads: int | str | None = None,
+    ) -> None:
         if max_in_flight < 1:
             raise UsageError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
+        #: each rank's checking writers (None: ``RESHARD_IO_THREADS``, else from the host)
+        self.io_threads = None if io_threads is None else count_io_threads(io_threads)
         self._front = Comm(process_group)  # the caller's thread: planning, staging
         if dist.is_available() and dist.is_initialized():
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
@@ -102,7 +110,9 @@ class AsyncSaver:
                 logger.debug("previous async save failed", exc_info=True)
         comm = self._front
         storage = open_storage(uri, storage_options)
-        prep = prepare_save(state_dict, uri, comm, storage, algorithm, overwrite, check_replicas)
+        prep = prepare_save(
+            state_dict, uri, comm, storage, algorithm, overwrite, check_replicas, self.io_threads
+        )
         mine = {(name, box) for spec in prep.plan.files_of(comm.rank) for name, box in spec.entries}
         use_fork = can_fork(v for p in prep.placed.values() for v in p.local.values())
         if not use_fork:
@@ -180,6 +190,7 @@ def async_save(
     checksum: str = "crc32c",
     overwrite: bool = False,
     check_replicas: bool = True,
+    io_threads: int | str | None = None,
 ) -> Future[CheckpointIndex]:
     """Like :func:`reshard_svc.save`, but returns once the state is staged.
 
@@ -190,6 +201,7 @@ def async_save(
     saver = _SAVERS.get(key)
     if saver is None:
         saver = _SAVERS[key] = AsyncSaver(process_group)
+    saver.io_threads = None if io_threads is None else count_io_threads(io_threads)
     return saver.save(
         state_dict,
         uri,

@@ -53,6 +53,7 @@ from reshard_svc.errors import (
 from reshard_svc.format.collect import collect_lease_debris
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.format.steps import StepFolders
+from reshard_svc.plan.budget import io_threads as count_io_threads
 from reshard_svc.plan.retention import check_policy, retained
 from reshard_svc.runtime.async_save import AsyncSaver
 from reshard_svc.runtime.comm import Comm
@@ -108,6 +109,8 @@ class CheckpointManager:
         if_busy: what a due save does while the previous one is still in flight on some
             rank: ``wait`` for it (default), or ``defer`` to the next call (training never
             waits on storage; ``force`` and a stop signal still wait), which then saves.
+        io_threads: each rank's checking writers (default: ``RESHARD_IO_THREADS``, else from
+            the CPUs this process may use and the ranks on its node).
         fast: a :class:`~reshard_svc.FastTier`: every ``fast.every`` steps each rank's
             shards also go to its node's fast path and to ``copies - 1`` other nodes;
             :meth:`load` resumes from the newest whole fast step when it is not older than
@@ -130,10 +133,12 @@ class CheckpointManager:
         on_commit: Callable[[int, str], Any] | None = None,
         fast: FastTier | None = None,
         if_busy: str = "wait",
+        io_threads: int | str | None = None,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise UsageError(f"interval must be a positive integer, got {interval!r}")
         check_policy(keep_last, keep_every)
+        self.io_threads = None if io_threads is None else count_io_threads(io_threads)
         self.root = root.rstrip("/")
         self.folders = StepFolders(self.root, storage_options)
         self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
@@ -164,7 +169,7 @@ class CheckpointManager:
         self.comm = Comm(self._group)
         self._lease: Lease | None = None
         self.comm.run_everywhere(f"CheckpointManager({root!r}): taking the root", self._take_root)
-        self._saver = AsyncSaver(process_group) if async_save else None
+        self._saver = AsyncSaver(process_group, io_threads=self.io_threads) if async_save else None
         # commit, then retention: the pending save is done when both are
         self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
         self._retention = threading.Lock()
@@ -317,6 +322,7 @@ class CheckpointManager:
             process_group=self.process_group,
             storage_options=self.storage_options,
             checksum=self.checksum,
+            io_threads=self.io_threads,
         )
         if self.comm.rank == 0:
             self._committed(step)

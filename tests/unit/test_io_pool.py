@@ -166,3 +166,19 @@ def test_the_plan_spreads_each_ranks_boxes_over_files_once_in_order(sizes, files
         assert len(specs) <= max(1, min(files, len(flat), total // (8 * unit)))
         names = [spec.name for spec in specs]
         assert len(set(names)) == len(names)
+
+
+def test_the_manager_and_async_save_take_io_threads_and_refuse_a_bad_one_first(tmp_path):
+    state = _state([2 * DEFAULT_BLOCK_SIZE + 1], 4)
+    with pytest.raises(UsageError, match="io_threads must be a count"):
+        reshard_svc.CheckpointManager(str(tmp_path / "bad"), io_threads="x")
+    assert not (tmp_path / "bad").exists()  # refused before the root was taken
+    with reshard_svc.CheckpointManager(str(tmp_path / "run"), io_threads=3) as mgr:
+        assert mgr.io_threads == 3
+        mgr.save(1, state)
+        mgr.wait()
+    _assert_saved_whole(str(tmp_path / "run" / "step-0000000001"), state)
+    reshard_svc.async_save(state, str(tmp_path / "async"), io_threads=2).result()
+    _assert_saved_whole(str(tmp_path / "async"), state)
+    with pytest.raises(UsageError, match="io_threads must be a count"):
+        reshard_svc.async_save(state, str(tmp_path / "async2"), io_threads=0)
