@@ -83,7 +83,7 @@ def test_readme_bench_command_prints_json(cmd, tmp_path):
     summary = lines[-1]
     # each bench reports against a baseline measured in the same run
     assert any(
-        k.endswith(("_over_dcp", "_over_cp", "_vs_torch_all_ranks"))
+        k.endswith(("_over_dcp", "_over_cp", "_vs_torch_all_ranks", "_over_floor"))
         or "over_dcp" in k
         or "dcp_" in k
         or k.startswith("gen1_over_ours")
