@@ -146,9 +146,10 @@ def ray_cluster(tmp_path_factory):
     pytest.importorskip("ray.job_submission")
     from tests.support.ray_cluster import RayCluster
 
-    # a process that looks like another Ray on this host: stopping ours leaves it alone
+    # a process that looks like another Ray on this host: stopping ours leaves it alone (it
+    # outlives any session: killed below; a 15-minute sleep ended by itself in a slow run)
     other = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(900)", "raylet", "--gcs-address=x:1"]
+        [sys.executable, "-c", "import time; time.sleep(86400)", "raylet", "--gcs-address=x:1"]
     )
     try:
         with RayCluster(tmp_path_factory.mktemp("ray")) as cluster:
