@@ -76,9 +76,10 @@ class WritePool:
                 raise
 
     def submit(
-        self, lane: ThreadPoolExecutor, fn: Callable[..., Parts], *args: Any
+        self, lane: ThreadPoolExecutor, nbytes: int, fn: Callable[..., Parts], *args: Any
     ) -> Future[Parts]:
-        nbytes = int(args[1].nbytes)
+        """Run ``fn(*args)`` on ``lane``, counting ``nbytes`` queued until it is done; waits
+        for the oldest tasks first while the queue is over its budget."""
         while self._queue and self._queued + nbytes > self.max_bytes:
             self._pop()
         task = lane.submit(fn, *args)
@@ -150,7 +151,7 @@ class PooledFile:
                 min(len(self.lanes) - 1, (offset + at) * len(self.lanes) // self.size)
             ]
             self._tasks.append(
-                self.pool.submit(lane, self._task, offset + at, view[at : at + take], keep)
+                self.pool.submit(lane, take, self._task, offset + at, view[at : at + take], keep)
             )
             at += take
 
