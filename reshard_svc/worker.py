@@ -102,11 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def exchange_backend(gpus: int, local_workers: int) -> tuple[str, str]:
-    """Where a worker's exchange runs: ``("nccl", "")`` when every worker on this node gets
-    a GPU of its own, else ``("gloo", why)``. A worker never sets a device that does not
-    exist (two workers on a one-GPU host would ask for ``cuda:1``)."""
-    if gpus >= local_workers >= 1:
+def exchange_backend(gpus: int, local_workers: int, device: str = "auto") -> tuple[str, str]:
+    """Where a worker's exchange runs (``device``: ``auto``, ``cpu`` or ``cuda``):
+    ``("nccl", "")`` when every worker on this node gets a GPU of its own, else
+    ``("gloo", why)``; ``cuda`` on too few GPUs is a :class:`UsageError` naming the counts.
+    A worker never sets a device that does not exist (two workers on a one-GPU host would
+    ask for ``cuda:1``)."""
+    enough = gpus >= local_workers >= 1
+    if device == "cpu":
+        return "gloo", ""
+    if device == "cuda" and not enough:
+        raise UsageError(
+            f"--device cuda: {local_workers} worker(s) on this node but {gpus} GPU(s); each "
+            "worker needs its own (pass fewer workers, or --device auto or cpu)"
+        )
+    if enough:
         return "nccl", ""
     if gpus == 0:
         return "gloo", ""
@@ -128,7 +138,12 @@ def run(spec: ConvertSpec, reporter: EventReporter) -> int:
     if distributed and not dist.is_initialized():
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        backend, why = exchange_backend(gpus, local)
+        try:
+            backend, why = exchange_backend(gpus, local, str(spec.device))
+        except UsageError as e:
+            reporter.send({"event": "error", "error": f"UsageError: {e}"})
+            logger.error("rank %s: %s", os.environ.get("RANK", "0"), e)
+            return 2
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         elif why and int(os.environ.get("LOCAL_RANK", "0")) == 0:

@@ -249,8 +249,8 @@ def _follow(
     latest, final = _last_events(progress_file)
     if all(c == 0 for c in codes) and final is not None and final.get("event") == "done":
         return Outcome(done=final, log_path=log_path)
-    error = (final or {}).get("error") or f"workers exited with codes {codes}"
-    return Outcome(error=error, log_path=log_path)
+    error = (final or {}).get("error") or warnings.first_error
+    return Outcome(error=error or f"workers exited with codes {codes}", log_path=log_path)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -289,12 +289,16 @@ def _last_events(path: str) -> tuple[dict[str, Any] | None, dict[str, Any] | Non
 
 
 class _WarningTail:
-    """Echo rank 0's warnings from the workers' log (the rest of it stays in the file)."""
+    """Echo rank 0's warnings from the workers' log (the rest of it stays in the file), and
+    keep the first error a worker logged (a worker that failed before rank 0 could report:
+    its error, not only its exit code, is what the user reads)."""
 
     LINE = re.compile(r" rank 0 WARNING ([\w.]+): (.*)$")
+    ERROR = re.compile(r" rank \d+ ERROR reshard_svc\.worker: (rank \d+: .*)$")
 
     def __init__(self, path: str, console: Console) -> None:
         self.path, self.console, self.offset = path, console, 0
+        self.first_error: str | None = None
 
     def echo(self) -> None:
         with open(self.path, "rb") as f:
@@ -306,6 +310,9 @@ class _WarningTail:
             m = self.LINE.search(line)
             if m:
                 self.console.print(f"[yellow]warning:[/] {m.group(2)}", highlight=False)
+            e = self.ERROR.search(line)
+            if e and self.first_error is None:
+                self.first_error = e.group(1)
 
 
 def leftovers(target: str) -> bool:

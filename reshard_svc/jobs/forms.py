@@ -404,12 +404,20 @@ class Renames(List):
 
 @dataclass(frozen=True)
 class Count(Form):
-    """A whole number from 1 to ``high`` (a JSON body: to :data:`MAX_WORKERS`)."""
+    """A whole number from 1 to ``high`` (a JSON body: to :data:`MAX_WORKERS`);
+    ``optional``: None is a value too (unset: decided where it is used)."""
 
     high: int = 4096
+    optional: bool = False
 
     def check(self, name: str, value: Any) -> Any:
+        if value is None and self.optional:
+            return None
         return check_count(name, value, self.high)
+
+    def from_text(self, value: Any, *, files: bool) -> Any:
+        text = value.strip() if isinstance(value, str) else None
+        return int(text) if text is not None and text.isdigit() else value
 
     def cli(self, default: Any) -> tuple[Any, Any, dict[str, Any]]:
         return int | None, None, {"min": 1}
@@ -421,6 +429,8 @@ class Count(Form):
         return StrictInt | None, Field(default=None, description=text + unset)
 
     def after_json(self, name: str, value: Any) -> Any:
+        if value is None and self.optional:
+            return None
         return check_count(name, value, MAX_WORKERS)
 
 

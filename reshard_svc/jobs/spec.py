@@ -62,6 +62,7 @@ __all__ = [
     "Option",
     "argument_help",
     "options",
+    "Device",
     "Format",
     "Strategy",
     "format_mesh",
@@ -93,6 +94,19 @@ class Strategy(StrEnum):
 FORMATS = tuple(f.value for f in Format)
 STRATEGIES = tuple(s.value for s in Strategy)
 CHECKSUMS = ("crc32c", "sha256", "none")
+
+
+class Device(StrEnum):
+    """Where a conversion's workers exchange bytes: on their GPUs over NCCL when every
+    worker on a node has one of its own (``auto``; else on the CPU over gloo, saying why),
+    always on the CPU (``cpu``), or on the GPUs, refusing a host with too few (``cuda``)."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+DEVICES = tuple(d.value for d in Device)
 
 
 def _uri(name: str, value: Any) -> str:
@@ -190,6 +204,19 @@ class ConvertSpec:
     )
     max_shard_size: str | None = _option(
         None, "HF export: cap per file, e.g. 5GB (the default)", Size()
+    )
+    io_threads: int | None = _option(
+        None,
+        "checking writer threads per worker (default: RESHARD_IO_THREADS, else the CPUs "
+        "this process may use over the workers on its node, at most 16)",
+        Count(high=1024, optional=True),
+        metavar="N",
+    )
+    device: Device = _option(
+        Device.AUTO,
+        "where workers exchange bytes: auto (their GPUs over NCCL when each worker on a node "
+        "has its own, else the CPU over gloo), cpu, or cuda (too few GPUs is an error)",
+        Choice(DEVICES, Device),
     )
     nodes: int = _option(1, "nodes (torchrun agents) the job runs on", Count(), placement=True)
     workers_per_node: int = _option(

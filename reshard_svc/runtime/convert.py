@@ -36,8 +36,9 @@ from reshard_svc.format.index import CheckpointIndex, FileMeta, TensorMeta
 from reshard_svc.format.safetensors import dtype_from_name
 from reshard_svc.format.target import check_distinct
 from reshard_svc.format.values import flat_values
-from reshard_svc.jobs.spec import ConvertSpec, Format, parse_mesh
+from reshard_svc.jobs.spec import ConvertSpec, Device, Format, parse_mesh
 from reshard_svc.layout import Box, Mesh
+from reshard_svc.plan.budget import io_threads as count_io_threads
 from reshard_svc.plan.budget import parse_size
 from reshard_svc.plan.items import Held, Piece, Wave
 from reshard_svc.plan.names import parse_renames, select_tensors, split_layers
@@ -111,6 +112,8 @@ def convert(
     rename: Sequence[str] | Mapping[str, str] | None = None,
     split_layers: bool = False,
     dequantize: str | None = None,
+    io_threads: int | None = None,
+    device: str = "auto",
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` with new layouts, format or dtype.
 
@@ -132,7 +135,10 @@ def convert(
     layer (see :mod:`reshard_svc.plan.names`). FP8 tensors and their scales keep their
     dtype under ``dtype``; ``dequantize="fp8-block"`` multiplies block-scaled FP8 weights by
     their ``*_scale_inv`` (in float32), casts them to ``dtype`` (bf16 by default) and drops
-    the scales (see :mod:`reshard_svc.plan.quant`).
+    the scales (see :mod:`reshard_svc.plan.quant`). ``io_threads`` caps the threads that
+    check and write this worker's files (default: ``RESHARD_IO_THREADS``, else from the
+    host). ``device`` is where the exchange runs: here, the backend of ``process_group``
+    decides, and ``"cuda"`` (``"cpu"``) refuses a group that is not NCCL (is NCCL).
 
     The arguments make one :class:`~reshard_svc.jobs.spec.ConvertSpec` (the job contract
     the CLI, the server and the worker use too), checked in one place.
@@ -156,6 +162,8 @@ def convert(
         rename=_rename_texts(rename),
         split_layers=split_layers,
         dequantize=dequantize,
+        io_threads=io_threads,
+        device=device,  # type: ignore[arg-type]
     ).checked()
     conversion = Conversion(spec, process_group=process_group, storage_options=storage_options)
     with collector_paused():  # see reshard_svc._collector: no full collection mid-run
@@ -212,6 +220,17 @@ def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
     return str(dtype).removeprefix("torch.")
 
 
+def check_device(device: str, comm: Comm) -> None:
+    """``device`` against the process group this worker converts in: ``cuda`` needs NCCL
+    (and a GPU), ``cpu`` a group on the CPU; ``auto`` takes the group as it is."""
+    on_gpu = comm.device.type == "cuda"
+    if device == Device.CUDA and not on_gpu:
+        why = "no NCCL process group" if torch.cuda.is_available() else "no CUDA GPU here"
+        raise UsageError(f"device cuda: {why}; pass device='auto' or 'cpu'")
+    if device == Device.CPU and on_gpu:
+        raise UsageError("device cpu: the process group is NCCL's; pass a gloo group")
+
+
 def _size_text(size: int | str | None) -> str | None:
     return None if size is None else str(size)
 
@@ -236,6 +255,8 @@ class Conversion:
         self.out_dtype = dtype_from_name(spec.dtype) if spec.dtype else None
         self.mesh = Mesh(tuple(spec.mesh.values()), tuple(spec.mesh)) if spec.mesh else None
         self.comm = Comm(process_group)
+        check_device(spec.device, self.comm)
+        self.io_threads = count_io_threads(spec.io_threads)
         self.storage_options = storage_options
         self.run_: TargetRun | None = None
         self.writers: dict[str, FileWriter] = {}
@@ -247,7 +268,7 @@ class Conversion:
         except BaseException:
             self.abort()
             raise
-        background = BackgroundWriter(self.budget.writer)
+        background = BackgroundWriter(self.budget.writer, max_streams=self.io_threads)
         try:
             bytes_read, results = self.execute(out, plan, where, background, progress)
         except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 import reshard_svc
@@ -58,10 +59,14 @@ def test_not_a_checkpoint_is_exit_2(tmp_path):
 def test_convert_with_workers_and_hf_export(tmp_path):
     src = make(tmp_path)
     tp2 = str(tmp_path / "tp2")
-    r = reshard("convert", src, tp2, "--mesh", "tp=2", "--workers", "2", "--json")
+    r = reshard(
+        "convert", src, tp2, "--mesh", "tp=2", "--workers", "2", "--json",
+        "--io-threads", "3", "--device", "cpu",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["event"] == "done"
     assert reshard_svc.inspect(tp2).tensors["w"].layout.mesh.shape == (2,)
+    assert reshard_svc.verify(tp2).ok
     hf = str(tmp_path / "hf")
     r = reshard("convert", tp2, hf, "--format", "hf", "--dtype", "fp16", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -273,6 +278,28 @@ def test_a_worker_failure_is_one_error_line(tmp_path):
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
     assert "worker logs:" in text
     assert not os.path.exists(dst) and not [p for p in os.listdir(tmp_path) if "staging" in p]
+
+
+def test_device_cuda_without_a_gpu_each_and_io_threads_of_zero_name_what_to_fix(tmp_path):
+    """``--device cuda`` with more workers than GPUs (here: none) is one error line naming
+    the counts, from the workers (2) or this process (1); ``--io-threads 0`` is refused
+    before anything starts. Nothing is written either way."""
+    src, dst = make(tmp_path), str(tmp_path / "out")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 2:
+        pytest.skip("this host has a GPU for each of 2 workers")
+    r = reshard("convert", src, dst, "--mesh", "tp=2", "--workers", "2", "--device", "cuda")
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 2 and text.count("error:") == 1, r.stderr
+    assert f"2 worker(s) on this node but {gpus} GPU(s)" in text, r.stderr
+    assert "Traceback" not in r.stderr and not os.path.exists(dst)
+    if gpus == 0:
+        r = reshard("convert", src, dst, "--device", "cuda")
+        assert r.returncode == 2 and "device cuda: no CUDA GPU here" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not os.path.exists(dst)
+    r = reshard("convert", src, dst, "--io-threads", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--io-threads" in r.stderr or "io_threads" in r.stderr, r.stderr
 
 
 def test_negative_budget_is_named(tmp_path):

@@ -167,6 +167,8 @@ specs = st.builds(
     split_layers=st.booleans(),
     dequantize=st.none() | st.just("fp8-block"),
     copy_config=st.booleans(),
+    io_threads=st.none() | st.integers(1, 64),
+    device=st.sampled_from(["auto", "cpu", "cuda"]),
 )
 
 
