@@ -63,6 +63,29 @@ def s3(moto_server, monkeypatch):
     yield f"s3://{bucket}"
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``small_tmpfs("64k")``: a real tmpfs of that size (root only; skipped elsewhere),
+    unmounted after the test: a storage that fills up."""
+    mounted = []
+
+    def mount(size: str):
+        where = tmp_path / f"tmpfs-{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 # ---- heap errors fail the test that saw them (tests/support/heap.py)
 
 os.environ.setdefault("RESHARD_DEBUG_BUFFERS", "1")  # poisoned releases, checked on reuse

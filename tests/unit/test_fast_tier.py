@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 
 import pytest
 import torch
@@ -70,16 +69,8 @@ def test_the_newest_fast_step_is_loaded_when_newer_than_the_roots(tmp_path):
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path):
-    where = tmp_path / "tiny"
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield where
-    subprocess.run(["umount", "-l", str(where)], check=False)
+def tiny_tmpfs(small_tmpfs):
+    return small_tmpfs("64k")
 
 
 def test_a_full_fast_path_is_a_warning_and_training_goes_on(tmp_path, tiny_tmpfs, caplog):

@@ -96,7 +96,76 @@ def test_a_writer_threads_error_fails_the_save_and_nothing_is_committed(tmp_path
     with pytest.raises(StorageError, match="No space left"):
         reshard_svc.save(_state([3 * DEFAULT_BLOCK_SIZE], 2), str(root), io_threads=2)
     assert not (root / "reshard.index.json").exists()
-    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-io")], before
+    assert _io_threads_alive() == [], before
+
+
+def _io_threads_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("reshard-io")]
+
+
+def test_a_real_full_tmpfs_fails_the_pooled_save_and_commits_nothing(small_tmpfs):
+    """4 MiB into a 1 MiB tmpfs, 3 writer threads: ENOSPC from the kernel on some lane
+    fails the save naming it; no index, no thread of the pool left; the next save to a
+    roomy place works."""
+    where = small_tmpfs("1m")
+    state = _state([2 * 1024 * 1024, 2 * 1024 * 1024 + 6], 4)
+    root = where / "ckpt"
+    with pytest.raises(StorageError, match="No space left"):
+        reshard_svc.save(state, str(root), io_threads=3)
+    assert not (root / "reshard.index.json").exists()
+    assert _io_threads_alive() == []
+    with pytest.raises(reshard_svc.errors.NotACheckpointError):
+        reshard_svc.load({k: torch.empty_like(v) for k, v in state.items()}, str(root))
+    reshard_svc.save(state, str(where.parent / "roomy"), io_threads=3)
+    _assert_saved_whole(str(where.parent / "roomy"), state)
+
+
+_SAVES_UNTIL_KILLED = """
+import os, random, signal, sys, time, torch, reshard_svc
+g = torch.Generator().manual_seed(7)
+state = {f"t{i}": torch.randint(0, 255, (3 << 20,), generator=g, dtype=torch.uint8)
+         for i in range(4)}
+for attempt in range(int(sys.argv[2])):  # torch imported once; each saver a fresh child
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        for n in range(1000):
+            reshard_svc.save(state, f"{sys.argv[1]}/{attempt}-{n}", io_threads=4)
+            os.write(write, b".")
+        os._exit(0)
+    os.read(read, 1)  # one save committed: the next is in flight
+    time.sleep(random.uniform(0.0, 0.2))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print("killed", flush=True)
+"""
+
+
+def test_kill_9_mid_parallel_write_leaves_only_whole_checkpoints(tmp_path):
+    """A process saving 12 MiB again and again with 4 writer threads is killed (SIGKILL)
+    at a random moment, three times: every checkpoint it left either verifies and loads
+    bitwise, or has no index (never a torn one)."""
+    import subprocess
+    import sys
+
+    got = subprocess.run(
+        [sys.executable, "-c", _SAVES_UNTIL_KILLED, str(tmp_path), "3"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert got.stdout.strip() == "killed", got.stderr[-2000:]
+    g = torch.Generator().manual_seed(7)
+    want = {
+        f"t{i}": torch.randint(0, 255, (3 << 20,), generator=g, dtype=torch.uint8) for i in range(4)
+    }
+    whole = {}
+    for folder in sorted(tmp_path.iterdir()):  # not the staging folders (".N-M.staging-...")
+        if not folder.name.startswith(".") and (folder / "reshard.index.json").exists():
+            _assert_saved_whole(str(folder), want)
+            attempt = folder.name.split("-")[0]
+            whole[attempt] = whole.get(attempt, 0) + 1
+    assert sorted(whole) == ["0", "1", "2"], (whole, sorted(p.name for p in tmp_path.iterdir()))
 
 
 @pytest.mark.parametrize("bad", [0, -2, "x", "1.5", "", True])
