@@ -12,6 +12,7 @@ Every error this library raises on purpose derives from :class:`ReshardError`::
     │   ├── TargetExistsError             a save would replace a checkpoint (no overwrite)
     │   ├── TargetBusyError               another run holds the target's lease
     │   ├── SaveFailedError               a background save failed (``step`` names it)
+    │   ├── TornSnapshotError             a tensor changed in place before its copy finished
     │   ├── UnsupportedFormatError        unknown format version
     │   ├── CorruptCheckpointError        malformed file, bad header, bad block table
     │   │   └── ChecksumError             bytes read fail their CRC32C (file, range, values)
@@ -50,6 +51,7 @@ __all__ = [
     "StorageError",
     "TargetBusyError",
     "TargetExistsError",
+    "TornSnapshotError",
     "TransferAbortedError",
     "TransferError",
     "UnsafePickleError",
@@ -122,6 +124,17 @@ class SaveFailedError(CheckpointError):
         super().__init__(message)
         self.step = step
         self.failures: dict[int, str] = dict(failures or {})
+
+
+class TornSnapshotError(CheckpointError):
+    """A background save's snapshot is not one moment of training: ``tensors`` changed in
+    place (``optimizer.step``) before their copies finished, so nothing was written. A
+    :class:`~reshard_svc.CheckpointManager` makes that step not count, with a warning; pass
+    it ``optimizers=[...]`` so each step waits for the copies."""
+
+    def __init__(self, message: str, tensors: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.tensors = list(tensors or [])
 
 
 class UnsupportedFormatError(CheckpointError):

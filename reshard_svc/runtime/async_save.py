@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from reshard_svc._process import fork_call
-from reshard_svc.errors import UsageError
+from reshard_svc.errors import TornSnapshotError, UsageError
 from reshard_svc.format.checksums import check_algorithm
 from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.plan.budget import io_threads as count_io_threads
@@ -98,9 +98,13 @@ class AsyncSaver:
         checksum: str = "crc32c",
         overwrite: bool = False,
         check_replicas: bool = True,
+        overlap: bool = False,
     ) -> Future[CheckpointIndex]:
         """Stage ``state_dict`` and return a future of the committed index (arguments as
-        :func:`reshard_svc.save`)."""
+        :func:`reshard_svc.save`). With ``overlap`` it returns once the copies are queued
+        (see :mod:`reshard_svc.runtime.staging`): call :meth:`finish_copies` before the
+        tensors change in place, or the save fails with
+        :class:`~reshard_svc.errors.TornSnapshotError`."""
         algorithm = check_algorithm(checksum)
         while len(self._inflight) >= self.max_in_flight:
             done = self._inflight.popleft()
@@ -129,7 +133,7 @@ class AsyncSaver:
             for box in [b for b in placed.local if (name, b) not in keep]:
                 del placed.local[box]  # another rank writes it; nothing to keep
         stager = self._stager if self.max_in_flight == 1 else Stager("the async save")
-        prep.placed = stager.stage(prep.placed, fork=use_fork)
+        prep.placed = stager.stage(prep.placed, fork=use_fork, overlap=overlap)
         written = self._fork_writer(prep, comm.rank) if use_fork else None
         future = self._pool.submit(self._write, prep, written, stager)
         self._inflight.append(future)
@@ -141,12 +145,29 @@ class AsyncSaver:
         written: Callable[[], dict[str, Any]] | None,
         stager: Stager,
     ) -> CheckpointIndex:
-        """The background thread: write (or collect the forked writer), agree, commit;
-        then the staging buffers are the stager's again."""
+        """The background thread: once the copies are done and whole, write (or collect
+        the forked writer), agree, commit; then the staging buffers are the stager's
+        again."""
+
+        def write_here() -> dict[str, Any]:
+            torn = stager.finish_copies()
+            if torn:
+                raise TornSnapshotError(
+                    f"{', '.join(repr(t) for t in torn[:5])} changed in place before "
+                    f"{stager.what}'s copy finished: nothing of {prep.uri} was written "
+                    "(wait for the copies before optimizer.step)",
+                    torn,
+                )
+            return written() if written is not None else write_files(prep, self._back.rank)
+
         try:
-            return write_and_commit(prep, self._back, written)
+            return write_and_commit(prep, self._back, write_here)
         finally:
             stager.release()
+
+    def finish_copies(self) -> list[str]:
+        """Wait for the copies of the last save (see :meth:`Stager.finish_copies`)."""
+        return self._stager.finish_copies()
 
     def _fork_writer(self, prep: PreparedSave, rank: int) -> Callable[[], dict[str, Any]]:
         """Fork a process that writes this rank's files from the copy-on-write snapshot.
@@ -173,6 +194,7 @@ class AsyncSaver:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self._stager.close()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None

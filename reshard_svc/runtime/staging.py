@@ -11,18 +11,37 @@ rank's boxes, so training may change its tensors at once:
   (pinned host memory for CUDA state, copied with ``non_blocking`` and synchronized before
   :meth:`Stager.stage` returns).
 
+With ``overlap=True`` (a manager given ``optimizers=``) :meth:`Stager.stage` returns once
+the copies are *queued*: on a side CUDA stream for CUDA state, on the stager's own thread
+(``reshard-stage``) for CPU state, so they run beside the next forward and backward. The
+optimizer's step pre-hook calls :meth:`Stager.finish_copies` first; the background writer
+calls it before it reads a byte.
+
+A torn snapshot is never written: :meth:`Stager.finish_copies` returns the tensors whose
+``_version`` changed (an in-place update: ``optimizer.step``, ``add_``) between ``stage``
+and the end of their copies, and the writer then fails the save with
+:class:`~reshard_svc.errors.TornSnapshotError` naming them (the manager makes that step not
+count, with one warning). Where the copies end inside ``stage`` (the default) or a forked
+child is the snapshot, nothing can change in between.
+
 Who owns what: the buffers are the background writer's from :meth:`Stager.stage` until it
 has finished with them and calls :meth:`Stager.release` (poisoned under
 ``RESHARD_DEBUG_BUFFERS=1``); the next :meth:`Stager.stage` reclaims them (a write in
 between raises :class:`~reshard_svc.errors.BufferReuseError` naming the buffer). One
-stage is in flight per stager at a time.
+stage is in flight per stager at a time; its copies are the side stream's or the side
+thread's until :meth:`Stager.finish_copies` returns.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -31,6 +50,17 @@ from reshard_svc.runtime.buffers import reclaim, release
 from reshard_svc.runtime.targets import Placed
 
 __all__ = ["Stager", "can_fork"]
+
+
+def _copy_then(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], torn: Callable[[], list[str]]
+) -> list[str]:
+    """Copy each view into its buffer, then name the tensors changed meanwhile."""
+    with torch.no_grad():
+        for buf, view in pairs:
+            buf.copy_(view)
+    return torn()
+
 
 logger = logging.getLogger(__name__)
 
@@ -55,35 +85,111 @@ class Stager:
         self.what = what
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._pin = True  # until pinning fails once (a locked-memory limit)
+        self._side: ThreadPoolExecutor | None = None  # CPU copies under overlap
+        self._stream: Any = None  # CUDA copies under overlap
+        self._pending: Callable[[], list[str]] | None = None  # copies not yet waited for
+        self._torn: list[str] = []
+        self._lock = threading.Lock()
+        #: seconds the last :meth:`finish_copies` waited
+        self.last_wait_s = 0.0
 
-    def stage(self, placed: Mapping[str, Placed], *, fork: bool) -> dict[str, Placed]:
+    def stage(
+        self, placed: Mapping[str, Placed], *, fork: bool, overlap: bool = False
+    ) -> dict[str, Placed]:
         """This rank's tensors with each box either its live view (``fork`` and a
         contiguous CPU box: a forked writer snapshots it) or a staging buffer holding a
-        copy. Buffers of boxes not staged this time are dropped."""
+        copy. Buffers of boxes not staged this time are dropped. With ``overlap`` (never
+        with ``fork``: the child must see whole buffers) the copies may still be running
+        on return: :meth:`finish_copies` waits for them."""
+        self.finish_copies()  # a stage not yet waited for (its save failed early)
         out: dict[str, Placed] = {}
         used: set[tuple[str, Box]] = set()
-        cuda = False
-        with torch.no_grad():
-            for name, live in placed.items():
-                copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
-                for box, view in live.local.items():
-                    view = view.detach()
-                    if fork and view.device.type == "cpu" and view.is_contiguous():
-                        copy.local[box] = view
-                        continue
-                    key = (name, box)
-                    buf = self._buffer(key, view)
-                    on_gpu = view.device.type == "cuda"
-                    buf.copy_(view, non_blocking=on_gpu and buf.is_pinned())
-                    cuda = cuda or on_gpu
-                    copy.local[box] = buf
-                    used.add(key)
-                out[name] = copy
-        if cuda:
-            torch.cuda.synchronize()  # the copies are done before training may step
+        copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for name, live in placed.items():
+            copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
+            for box, view in live.local.items():
+                view = view.detach()
+                if fork and view.device.type == "cpu" and view.is_contiguous():
+                    copy.local[box] = view
+                    continue
+                key = (name, box)
+                buf = self._buffer(key, view)
+                copies.append((name, buf, view))
+                copy.local[box] = buf
+                used.add(key)
+            out[name] = copy
         for key in set(self._buffers) - used:
             del self._buffers[key]
+        self._torn = []
+        if copies:
+            self._pending = self._copy(copies, overlap=overlap and not fork)
+            if not overlap or fork:
+                self.finish_copies()
         return out
+
+    def _copy(
+        self, copies: list[tuple[str, torch.Tensor, torch.Tensor]], *, overlap: bool
+    ) -> Callable[[], list[str]]:
+        """Start the copies; returns what waits for them and names the tensors changed in
+        place since they were queued (each tensor's ``_version`` read now, and again
+        right after its copy)."""
+        versions = [(name, view, view._version) for name, _, view in copies]
+
+        def torn() -> list[str]:
+            return sorted({n for n, view, v in versions if view._version != v})
+
+        gpu = [(b, v) for _, b, v in copies if v.device.type == "cuda"]
+        cpu = [(b, v) for _, b, v in copies if v.device.type != "cuda"]
+        done_cpu: Future[list[str]] | None = None
+        if cpu and overlap:
+            if self._side is None:
+                self._side = ThreadPoolExecutor(1, thread_name_prefix="reshard-stage")
+            done_cpu = self._side.submit(_copy_then, cpu, torn)
+        elif cpu:
+            _copy_then(cpu, torn)
+        event = None
+        if gpu:
+            stream = None
+            if overlap:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream()
+                stream = self._stream
+                stream.wait_stream(torch.cuda.current_stream())  # the values as of now
+            with torch.no_grad(), torch.cuda.stream(stream) if stream else nullcontext():
+                for buf, view in gpu:
+                    buf.copy_(view, non_blocking=buf.is_pinned())
+                    if stream is not None:
+                        view.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+
+        def wait() -> list[str]:
+            changed = done_cpu.result() if done_cpu is not None else []
+            if event is not None:
+                event.synchronize()
+                changed = sorted({*changed, *torn()})
+            return changed
+
+        return wait
+
+    def finish_copies(self) -> list[str]:
+        """Wait for the copies of the last :meth:`stage` (at once when they are done);
+        the tensors changed in place before their copy finished (empty: the snapshot is
+        whole). The first caller (the optimizer's hook, or the writer) judges."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                started = time.perf_counter()
+                self._torn = pending()
+                self.last_wait_s = time.perf_counter() - started
+            return list(self._torn)
+
+    def close(self) -> None:
+        """Wait for copies in flight and stop the side thread."""
+        self.finish_copies()
+        if self._side is not None:
+            self._side.shutdown(wait=True)
+            self._side = None
 
     def release(self) -> None:
         """The background writer is done with the buffers (they are the stager's again)."""

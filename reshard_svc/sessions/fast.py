@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from reshard_svc._process import fork_call
-from reshard_svc.errors import CheckpointError, ReshardError, UsageError
+from reshard_svc.errors import CheckpointError, ReshardError, TornSnapshotError, UsageError
 from reshard_svc.format.fast import (
     FastStep,
     fast_step_name,
@@ -128,9 +128,10 @@ class _Snapshot:
         self.placed: dict[str, Placed] = {}
         self.extras: dict[str, Any] = {}
 
-    def take(self, state: Mapping[str, Any]) -> bool:
-        """Stage this rank's tensors; returns whether a forked writer may write them (CPU
-        state: contiguous boxes stay live views, its copy-on-write memory holds them)."""
+    def take(self, state: Mapping[str, Any], overlap: bool = False) -> bool:
+        """Stage this rank's tensors (``overlap``: the copies may still run on return);
+        returns whether a forked writer may write them (CPU state: contiguous boxes stay
+        live views, its copy-on-write memory holds them)."""
         extras: dict[str, Any] = {}
         described: dict[str, Placed] = {}
         for name, leaf in flatten(state).items():
@@ -139,7 +140,7 @@ class _Snapshot:
             else:
                 described[name] = describe(leaf)
         views = can_fork(v for p in described.values() for v in p.local.values())
-        self.placed = self.stager.stage(described, fork=views)
+        self.placed = self.stager.stage(described, fork=views, overlap=overlap)
         self.extras = extras
         return views
 
@@ -241,13 +242,13 @@ class FastSaves:
     def due(self, step: int) -> bool:
         return step % self.tier.every == 0
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Every rank: wait for the fast save in flight, snapshot, and write in the
-        background."""
+    def save(self, step: int, state: Mapping[str, Any], overlap: bool = False) -> None:
+        """Every rank: wait for the fast save in flight, snapshot (``overlap``: copies
+        queued, see :meth:`finish_copies`), and write in the background."""
         self.wait()
         if step == self._counted:
             return  # this run's fast step of this number already counts (a forced save)
-        fork = self._snapshot.take(state)  # each leaf described once
+        fork = self._snapshot.take(state, overlap)  # each leaf described once
         prepared: Callable[[], Any] | str | None = None
         if fork:  # the part is written by a copy-on-write child: the stall is the fork
             try:
@@ -260,6 +261,10 @@ class FastSaves:
             except Exception as e:  # the exchange still runs, saying this rank has no part
                 prepared = f"rank {self.comm.rank}: preparing its part of step {step}: {e}"
         self._pending = self._pool.submit(self._write, step, prepared)
+
+    def finish_copies(self) -> list[str]:
+        """Wait for the snapshot's copies (see :meth:`Stager.finish_copies`)."""
+        return self._snapshot.stager.finish_copies()
 
     def wait(self) -> bool | None:
         """Wait for the fast save in flight; whether it committed (None: none was)."""
@@ -295,6 +300,13 @@ class FastSaves:
         try:
             if isinstance(prepared, str):
                 raise CheckpointError(prepared)
+            torn = self.finish_copies()
+            if torn:
+                raise TornSnapshotError(
+                    f"{', '.join(repr(t) for t in torn[:5])} changed in place before the "
+                    "snapshot's copy finished (wait for the copies before optimizer.step)",
+                    torn,
+                )
             if prepared is None:
                 folder = self._prepare(step)
                 self._write_part(folder, self.comm.rank, self._snapshot)
@@ -412,6 +424,7 @@ class FastSaves:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self._snapshot.stager.close()
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None

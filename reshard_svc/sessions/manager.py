@@ -45,9 +45,11 @@ import torch.distributed as dist
 
 from reshard_svc.errors import (
     CheckpointError,
+    DistributedError,
     SaveFailedError,
     StateDictError,
     StorageError,
+    TornSnapshotError,
     UsageError,
 )
 from reshard_svc.format.collect import collect_lease_debris
@@ -89,6 +91,30 @@ STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
 
 
+def _hookable(optimizers: Iterable[Any]) -> list[Any]:
+    """``optimizers`` as a list, each one able to take a step pre-hook."""
+    out = list(optimizers)
+    for opt in out:
+        if not callable(getattr(opt, "register_step_pre_hook", None)):
+            raise UsageError(
+                f"optimizers: {type(opt).__name__} takes no step pre-hook; pass "
+                "torch.optim optimizers"
+            )
+    return out
+
+
+def _torn(error: BaseException | None) -> bool:
+    """Whether a background save failed only because its snapshot was torn (on this rank,
+    or on the ranks whose failure this rank learned)."""
+    if isinstance(error, TornSnapshotError):
+        return True
+    if isinstance(error, DistributedError):
+        return bool(error.failures) and all(
+            str(m).startswith("TornSnapshotError") for m in error.failures.values()
+        )
+    return False
+
+
 class CheckpointManager:
     """Checkpoints of one training job under ``root`` (any fsspec URI). Construct on every
     rank of ``process_group`` (collective); use as a context manager or call :meth:`close`.
@@ -115,6 +141,12 @@ class CheckpointManager:
             shards also go to its node's fast path and to ``copies - 1`` other nodes;
             :meth:`load` resumes from the newest whole fast step when it is not older than
             the persistent root's (:mod:`reshard_svc.sessions.fast`).
+        optimizers: overlap mode. ``save`` returns once the snapshot's copies are queued
+            (a side CUDA stream; a side thread for CPU state that is copied), and a step
+            pre-hook on each optimizer waits for the copies not yet finished before it
+            steps (:attr:`last_wait_s`). In every mode a tensor changed in place before
+            its copy finished makes that step not count (one warning naming it; the
+            previous step stays the resume point): a torn snapshot is never committed.
     """
 
     def __init__(
@@ -134,10 +166,12 @@ class CheckpointManager:
         fast: FastTier | None = None,
         if_busy: str = "wait",
         io_threads: int | str | None = None,
+        optimizers: Iterable[Any] = (),
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise UsageError(f"interval must be a positive integer, got {interval!r}")
         check_policy(keep_last, keep_every)
+        optimizers = _hookable(optimizers)
         self.io_threads = None if io_threads is None else count_io_threads(io_threads)
         self.root = root.rstrip("/")
         self.folders = StepFolders(self.root, storage_options)
@@ -156,7 +190,8 @@ class CheckpointManager:
         self._owed = False  # a due save was deferred: the next call saves
         if fast is not None and not isinstance(fast, FastTier):
             raise UsageError(f"fast must be a reshard_svc.FastTier, got {type(fast).__name__}")
-        #: how long the last due ``save`` waited for the previous save to commit (seconds)
+        #: how long training last waited on checkpoints (seconds): a due ``save`` for the
+        #: previous save to commit, or (overlap mode) an optimizer for the copies
         self.last_wait_s = 0.0
         self._signalled: int | None = None
         self._pending: tuple[int, Future[Any]] | None = None
@@ -188,6 +223,8 @@ class CheckpointManager:
         self._previous_handlers: dict[int, Any] = {}
         for sig in save_on_signals:
             self._install(sig)
+        self._copying = False  # overlap mode: a save's copies may still be running
+        self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
 
     # ---- the root
 
@@ -247,8 +284,10 @@ class CheckpointManager:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
         stop, busy = self._agree()
         due = force or stop or step % self.interval == 0 or self._owed
+        overlap = bool(self._hooks) and not stop
         if self._fast is not None and (stop or self._fast.due(step)):
-            self._fast.save(step, self._with_step(step, state))
+            self._fast.save(step, self._with_step(step, state), overlap=overlap)
+            self._copying = overlap
             if stop:
                 self._fast.wait()  # preemption: the fast copy first (seconds), then the root
         if not due:
@@ -275,9 +314,24 @@ class CheckpointManager:
             self._step_uri(step),
             storage_options=self.storage_options,
             checksum=self.checksum,
+            overlap=overlap,
         )
+        self._copying = overlap
         self._pending = (step, self._post.submit(self._after_commit, future, step))
         return Saved(saved=True, reason=SAVED)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """An optimizer's step pre-hook (overlap mode): the copies of the last save finish
+        before any tensor changes in place."""
+        if not self._copying:
+            return
+        started = time.perf_counter()
+        if self._saver is not None:
+            self._saver.finish_copies()
+        if self._fast is not None:
+            self._fast.finish_copies()
+        self._copying = False
+        self.last_wait_s = time.perf_counter() - started
 
     def _agree(self) -> tuple[bool, bool]:
         """One small all-reduce: (a stop was asked for, a previous save failed, a save is
@@ -302,10 +356,20 @@ class CheckpointManager:
         step, future = self._pending
         self._pending = None
         error = future.exception()
-        _, errors = self.comm.run_everywhere(
-            f"checkpoint step {step}", lambda: None, share=lambda _: f"{error}" if error else ""
+        _, said = self.comm.run_everywhere(
+            f"checkpoint step {step}",
+            lambda: None,
+            share=lambda _: {"error": f"{error}" if error else "", "torn": _torn(error)},
         )
-        failures = {r: e for r, e in enumerate(errors) if e}
+        failures = {r: x["error"] for r, x in enumerate(said) if x["error"]}
+        if failures and all(x["torn"] for x in said if x["error"]):
+            logger.warning(
+                "step %d does not count (nothing of it was committed; the previous step stays "
+                "the resume point): %s",
+                step,
+                next(iter(failures.values())),
+            )
+            return
         if failures:
             text = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
             raise SaveFailedError(
@@ -548,6 +612,8 @@ class CheckpointManager:
                 self._saver.close()
             if self._fast is not None:
                 self._fast.close()
+            for hook in self._hooks:
+                hook.remove()
             self._post.shutdown(wait=True)
             self._release_root()
             if self._group is not None:

@@ -1,0 +1,135 @@
+"""Overlap mode and the torn-snapshot guard, in one process on CPU.
+
+``CheckpointManager(..., optimizers=[opt])``: ``save`` returns once the snapshot's copies
+are queued (for CPU state that is copied, not forked: ``RESHARD_ASYNC_FORK=0``, on the
+stager's side thread) and the optimizer's step pre-hook waits for them. Each committed
+step holds exactly what the job held when it called ``save``. A tensor changed in place
+before its copy finished (here: a copy slowed down, then ``add_`` without waiting) makes
+that step not count, on both tiers, with one warning naming it; the previous step stays
+the resume point and the next step saves."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+import reshard_svc
+from reshard_svc import CheckpointManager, FastTier, UsageError
+from reshard_svc.runtime import staging
+
+
+@pytest.fixture(autouse=True)
+def _copying_stager(monkeypatch):
+    monkeypatch.setenv("RESHARD_ASYNC_FORK", "0")  # CPU state copied: the path that overlaps
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _stage_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("reshard-stage")]
+
+
+def test_overlap_mode_commits_what_the_job_held_at_each_save(tmp_path):
+    model, opt = _model()
+    held = {}
+    with CheckpointManager(str(tmp_path / "root"), optimizers=[opt]) as mgr:
+        for step in range(1, 6):
+            loss = model(torch.randn(16, 64)).square().mean()
+            loss.backward()
+            state = {"model": model.state_dict(), "step": step}
+            held[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            assert mgr.save(step, state)
+            opt.step()  # the hook waits for the copies first
+            opt.zero_grad()
+            assert mgr.last_wait_s >= 0.0
+        mgr.wait()
+        assert mgr.steps() == [1, 2, 3, 4, 5]
+    assert _stage_threads() == []
+    for step, want in held.items():
+        got = {"model": {k: torch.empty_like(v) for k, v in want.items()}, "step": 0}
+        with CheckpointManager(str(tmp_path / "root")) as mgr:
+            assert mgr.load(got, step=step) == step
+        for k, v in want.items():
+            assert torch.equal(got["model"][k].view(torch.int32), v.view(torch.int32)), (step, k)
+
+
+def _slow_copies(monkeypatch, seconds: float) -> None:
+    real = staging._copy_then
+
+    def slow(pairs, torn):
+        time.sleep(seconds)
+        return real(pairs, torn)
+
+    monkeypatch.setattr(staging, "_copy_then", slow)
+
+
+def test_a_tensor_changed_before_its_copy_finished_makes_the_step_not_count(
+    tmp_path, monkeypatch, caplog
+):
+    model, opt = _model()
+    fast = FastTier(str(tmp_path / "fast"), every=1)
+    root = str(tmp_path / "root")
+    with caplog.at_level(logging.WARNING, logger="reshard_svc"):
+        with CheckpointManager(root, optimizers=[opt], fast=fast) as mgr:
+            mgr.save(1, {"model": model.state_dict()})
+            opt.step()  # waits: step 1 is whole on both tiers
+            mgr.wait()
+            _slow_copies(monkeypatch, 0.5)
+            mgr.save(2, {"model": model.state_dict()})
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # in place, without waiting for the copies
+            mgr.wait()
+            assert mgr.steps() == [1] and mgr.fast_steps() == [1]
+            monkeypatch.undo()
+            monkeypatch.setenv("RESHARD_ASYNC_FORK", "0")
+            mgr.save(3, {"model": model.state_dict()})
+            opt.step()
+            mgr.wait()
+            assert mgr.steps() == [1, 3] and mgr.fast_steps() == [1, 3]
+    said = [r.getMessage() for r in caplog.records if "does not count" in r.getMessage()]
+    assert len(said) == 2, said  # one per tier
+    assert all("model.0.weight" in m and "changed in place" in m for m in said), said
+    got = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    with CheckpointManager(root) as mgr:
+        assert mgr.load(got) == 3
+    assert torch.equal(got["model"]["0.weight"], model[0].weight.detach())
+
+
+def test_async_save_with_overlap_refuses_a_torn_snapshot(tmp_path, monkeypatch):
+    from reshard_svc.runtime.async_save import AsyncSaver
+
+    w = torch.arange(4096, dtype=torch.float32)
+    saver = AsyncSaver()
+    try:
+        _slow_copies(monkeypatch, 0.3)
+        future = saver.save({"w": w}, str(tmp_path / "torn"), overlap=True)
+        w.mul_(2)
+        with pytest.raises(reshard_svc.TornSnapshotError, match="'w' changed in place") as e:
+            future.result()
+        assert e.value.tensors == ["w"]
+        assert not (tmp_path / "torn" / "reshard.index.json").exists()
+        future = saver.save({"w": w}, str(tmp_path / "whole"), overlap=True)
+        assert saver.finish_copies() == []
+        w.mul_(2)  # after the copies: the checkpoint holds the values at save time
+        future.result()
+    finally:
+        saver.close()
+    got = {"w": torch.empty_like(w)}
+    reshard_svc.load(got, str(tmp_path / "whole"))
+    assert torch.equal(got["w"], w / 2)
+    assert _stage_threads() == []
+
+
+def test_optimizers_that_take_no_hook_are_refused_before_the_root_is_taken(tmp_path):
+    with pytest.raises(UsageError, match="optimizers: object takes no step pre-hook"):
+        CheckpointManager(str(tmp_path / "root"), optimizers=[object()])
+    with CheckpointManager(str(tmp_path / "root")) as mgr:  # the root is free
+        assert mgr.steps() == []
