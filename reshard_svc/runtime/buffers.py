@@ -17,6 +17,7 @@ naming the buffer, and a late read sees the pattern (a CRC32C failure), never si
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -436,6 +437,30 @@ def _write_raw(
     done: Callable[[], None] | None,
     crcs: list[tuple[int, int]] | None = None,
 ) -> None:
+    """Write ``data`` (summed on the way unless ``hashed`` or ``crcs`` did), then run
+    ``done()``; on an error too, once no thread reads ``data`` any more (a ring slot or a
+    pooled buffer is never lost to a failed write)."""
+    try:
+        _write_summed(out, data, hashed, crcs)
+    except BaseException:
+        if done is not None:
+            if hashed is not None:
+                with contextlib.suppress(BaseException):
+                    hashed.result()
+            done()
+        raise
+    if done is not None:
+        if hashed is not None:
+            hashed.result()  # the buffer is free only once both threads are past it
+        done()
+
+
+def _write_summed(
+    out: HashingWriter,
+    data: memoryview,
+    hashed: Future[Any] | None,
+    crcs: list[tuple[int, int]] | None,
+) -> None:
     if (
         hashed is None
         and crcs is not None
@@ -455,7 +480,3 @@ def _write_raw(
     else:
         _write_pieces(out, data)
     out.size += data.nbytes
-    if done is not None:
-        if hashed is not None:
-            hashed.result()  # the buffer is free only once both threads are past it
-        done()

@@ -24,6 +24,7 @@ files); elsewhere a file goes front to back through
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -113,6 +114,25 @@ class WritePool:
         self.close()
 
 
+def _when_all_done(tasks: list[Future[Parts]], done: Callable[[], None]) -> None:
+    """Run ``done()`` once every task in ``tasks`` has finished (failed ones too)."""
+    if not tasks:
+        done()
+        return
+    left = [len(tasks)]
+    lock = threading.Lock()
+
+    def one(_: Future[Parts]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done()
+
+    for task in tasks:
+        task.add_done_callback(one)
+
+
 class PooledFile:
     """One file being written by its lanes."""
 
@@ -134,15 +154,23 @@ class PooledFile:
         self.checksum, self.block_size = checksum, block_size
         self._tasks: list[Future[Parts]] = []
 
-    def put(self, offset: int, data: memoryview, keep: Any = None) -> None:
+    def put(
+        self,
+        offset: int,
+        data: memoryview,
+        keep: Any = None,
+        done: Callable[[], None] | None = None,
+    ) -> None:
         """Queue ``data`` (bytes of the file from ``offset``); ``keep`` is held until
-        its tasks are done."""
+        its tasks are done, then ``done()`` runs (on the lane that finished last, even
+        after an error)."""
         view = memoryview(data).cast("B")
         if offset < 0 or offset + view.nbytes > self.size:
             raise CheckpointError(
                 f"{self.name}: bytes [{offset}, {offset + view.nbytes}) outside its {self.size}"
             )
         at = 0
+        tasks: list[Future[Parts]] = []
         while at < view.nbytes:
             end = offset + at + TASK
             end -= end % self.block_size  # tasks end on block bounds: no block split twice
@@ -150,10 +178,13 @@ class PooledFile:
             lane = self.lanes[
                 min(len(self.lanes) - 1, (offset + at) * len(self.lanes) // self.size)
             ]
-            self._tasks.append(
+            tasks.append(
                 self.pool.submit(lane, take, self._task, offset + at, view[at : at + take], keep)
             )
             at += take
+        self._tasks += tasks
+        if done is not None:
+            _when_all_done(tasks, done)
 
     def _task(self, offset: int, data: memoryview, keep: Any) -> Parts:
         parts: Parts = []

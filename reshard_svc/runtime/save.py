@@ -16,8 +16,9 @@ stages pass their own layers):
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from reshard_svc.plan.save import FileSpec, SavePlan, plan_save
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.io_pool import WritePool
+from reshard_svc.runtime.staging import RingSlot, pinned_ring
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import (
     Placed,
@@ -80,10 +82,12 @@ def box_bands(view: torch.Tensor) -> list[torch.Tensor]:
 
 def _file_data(
     spec: FileSpec, placed: dict[str, Placed], crcs: dict[tuple[str, Box], int]
-) -> Iterator[tuple[int, memoryview, torch.Tensor]]:
-    """Each band of the file's boxes as (file offset, its bytes, the tensor holding them),
-    in file order; the CRC32C of each box in ``crcs`` (a replicated one) is set from the
-    same bands on the way. Bands of CPU boxes are views; others are copied one at a time."""
+) -> Iterator[tuple[int, memoryview, Any]]:
+    """Each band of the file's boxes as (file offset, its bytes, what holds them: a tensor,
+    or a slot of the pinned ring to release once written), in file order; the CRC32C of
+    each box in ``crcs`` (a replicated one) is set from the same bands on the way. Bands
+    of contiguous CPU boxes are views; other CPU bands are copied one at a time; device
+    bands go through the pinned ring (:class:`~reshard_svc.runtime.staging.PinnedRing`)."""
     at = len(spec.header)
     for name, box in spec.entries:
         view = placed[name].local.get(box)
@@ -91,14 +95,29 @@ def _file_data(
             raise CheckpointError(f"rank holds no data for {name!r} box {box}")
         crc = 0 if (name, box) in crcs else None
         for band in box_bands(view.detach()):
-            band = band.to("cpu").contiguous()
-            data = tensor_bytes(band)
-            if crc is not None:
-                crc = crc32c.crc32c(data, crc)
-            yield at, data, band
-            at += data.nbytes
+            pieces: Iterable[tuple[memoryview, Any]]
+            if _through_ring(band):  # device memory: through the pinned ring, never pageable
+                pieces = pinned_ring().pieces(band)
+            else:
+                band = band.contiguous()
+                pieces = [(tensor_bytes(band), band)]
+            for data, keep in pieces:
+                if crc is not None:
+                    crc = crc32c.crc32c(data, crc)
+                yield at, data, keep
+                at += data.nbytes
         if crc is not None:
             crcs[(name, box)] = int(crc)
+
+
+def _through_ring(band: torch.Tensor) -> bool:
+    """Whether a band reaches host memory through the pinned ring (it is not on the CPU)."""
+    return band.device.type != "cpu"
+
+
+def _released(keep: Any) -> Callable[[], None] | None:
+    """What frees ``keep`` once its bytes are written: a ring slot's release."""
+    return keep.release if isinstance(keep, RingSlot) else None
 
 
 def write_file(
@@ -115,7 +134,7 @@ def write_file(
         w = HashingWriter(raw, checksum, DEFAULT_BLOCK_SIZE)
         w.write(spec.header)
         for _, data, band in _file_data(spec, placed, crcs):
-            background.submit(w, data, keep=band)
+            background.submit(w, data, keep=band, done=_released(band))
         background.drain()
     if w.size != spec.size:
         raise CheckpointError(f"{spec.name}: wrote {w.size} bytes, planned {spec.size}")
@@ -146,7 +165,7 @@ def write_files_pooled(
                 if band is None:
                     feeds.remove(entry)
                 else:
-                    out.put(band[0], band[1], keep=band[2])
+                    out.put(band[0], band[1], keep=band[2], done=_released(band[2]))
         return [out.close() for out in outs]
 
 
@@ -287,16 +306,18 @@ def write_files(prep: PreparedSave, rank: int, staging: Storage | None = None) -
     staging = staging or prep.staging
     written = {(n, b) for spec in prep.plan.files_of(rank) for n, b in spec.entries}
     crcs = {(n, b): 0 for n, bs in prep.replicas.items() for b in bs if (n, b) in written}
-    if staging.positional_writes and prep.checksum != "sha256":
-        with WritePool(prep.io_threads, WRITE_QUEUE_BYTES) as pool:
-            specs = list(prep.plan.files_of(rank))
-            files = write_files_pooled(staging, specs, prep.placed, pool, prep.checksum, crcs)
-    else:
-        with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
-            files = [
-                write_file(staging, spec, prep.placed, background, prep.checksum, crcs)
-                for spec in prep.plan.files_of(rank)
-            ]
+    on_device = any(_through_ring(v) for p in prep.placed.values() for v in p.local.values())
+    with pinned_ring().session() if on_device else contextlib.nullcontext():
+        if staging.positional_writes and prep.checksum != "sha256":
+            with WritePool(prep.io_threads, WRITE_QUEUE_BYTES) as pool:
+                specs = list(prep.plan.files_of(rank))
+                files = write_files_pooled(staging, specs, prep.placed, pool, prep.checksum, crcs)
+        else:
+            with BackgroundWriter(WRITE_QUEUE_BYTES) as background:
+                files = [
+                    write_file(staging, spec, prep.placed, background, prep.checksum, crcs)
+                    for spec in prep.plan.files_of(rank)
+                ]
     held_only = {n: [b for b in bs if (n, b) not in written] for n, bs in prep.replicas.items()}
     report = replica_crcs(prep.placed, held_only)
     for (name, box), crc in crcs.items():

@@ -120,6 +120,64 @@ def test_a_real_full_tmpfs_fails_the_pooled_save_and_commits_nothing(small_tmpfs
     _assert_saved_whole(str(where.parent / "roomy"), state)
 
 
+@pytest.fixture
+def through_a_small_ring(monkeypatch):
+    """Every band goes through a ring of 3 slots of 1 MiB + 7 bytes (as device bands do:
+    CPU bands here, in pageable slots), pieces split mid-block."""
+    from reshard_svc.runtime import save as save_module
+    from reshard_svc.runtime import staging
+
+    ring = staging.PinnedRing(slots=3, slot_bytes=(1 << 20) + 7)
+    monkeypatch.setattr(save_module, "_through_ring", lambda band: True)
+    monkeypatch.setattr(staging, "_RING", ring)
+    return ring
+
+
+@pytest.mark.parametrize("threads, checksum", [(1, "crc32c"), (2, "crc32c"), (7, "crc32c"),
+                                               (2, "sha256")])  # fmt: skip
+def test_bands_through_the_ring_verify_load_and_reuse_its_slots(
+    tmp_path, through_a_small_ring, threads, checksum
+):
+    import psutil
+
+    ring = through_a_small_ring
+    buffers = [slot.buf.data_ptr() for slot in ring.slots]
+    state = _state([5 * DEFAULT_BLOCK_SIZE + 3, 3 << 20, 11], threads)
+    rss = []
+    for i in range(5):
+        root = str(tmp_path / f"ckpt{i}")
+        reshard_svc.save(state, root, io_threads=threads, checksum=checksum)
+        rss.append(psutil.Process().memory_info().rss)
+        assert all(slot.free.is_set() for slot in ring.slots)
+    _assert_saved_whole(root, state)
+    assert [slot.buf.data_ptr() for slot in ring.slots] == buffers  # allocated once
+    assert abs(rss[-1] - rss[0]) <= 0.01 * rss[0], rss
+    assert _io_threads_alive() == []
+
+
+def test_a_failed_write_through_the_ring_frees_its_slots(
+    tmp_path, through_a_small_ring, monkeypatch
+):
+    from reshard_svc.storage import local
+
+    real, calls = local._pwrite_all, []
+
+    def full_disk(fd, path, offset, data):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise StorageError(f"write {path}: [Errno {errno.ENOSPC}] No space left on device")
+        real(fd, path, offset, data)
+
+    monkeypatch.setattr(local, "_pwrite_all", full_disk)
+    state = _state([3 << 20, 2 << 20], 5)
+    with pytest.raises(StorageError, match="No space left"):
+        reshard_svc.save(state, str(tmp_path / "full"), io_threads=2)
+    assert all(slot.free.is_set() for slot in through_a_small_ring.slots)
+    monkeypatch.setattr(local, "_pwrite_all", real)
+    reshard_svc.save(state, str(tmp_path / "ok"), io_threads=2)  # no slot left taken
+    _assert_saved_whole(str(tmp_path / "ok"), state)
+
+
 _SAVES_UNTIL_KILLED = """
 import os, random, signal, sys, time, torch, reshard_svc
 g = torch.Generator().manual_seed(7)
