@@ -78,7 +78,8 @@ def test_tasks_cut_a_long_range_at_block_bounds(tmp_path, monkeypatch):
     _assert_saved_whole(str(tmp_path / "ckpt"), state)
 
 
-def test_a_writer_threads_error_fails_the_save_and_nothing_is_committed(tmp_path, monkeypatch):
+def _disk_full_at(monkeypatch, nth: int) -> None:
+    """The ``nth`` positional write of local storage fails with ENOSPC (the others write)."""
     from reshard_svc.storage import local
 
     real = local._pwrite_all
@@ -86,11 +87,15 @@ def test_a_writer_threads_error_fails_the_save_and_nothing_is_committed(tmp_path
 
     def full_disk(fd, path, offset, data):
         calls.append(offset)
-        if len(calls) == 3:
+        if len(calls) == nth:
             raise StorageError(f"write {path}: [Errno {errno.ENOSPC}] No space left on device")
         real(fd, path, offset, data)
 
     monkeypatch.setattr(local, "_pwrite_all", full_disk)
+
+
+def test_a_writer_threads_error_fails_the_save_and_nothing_is_committed(tmp_path, monkeypatch):
+    _disk_full_at(monkeypatch, 3)
     before = {t.name for t in threading.enumerate()}
     root = tmp_path / "ckpt"
     with pytest.raises(StorageError, match="No space left"):
@@ -158,22 +163,12 @@ def test_bands_through_the_ring_verify_load_and_reuse_its_slots(
 def test_a_failed_write_through_the_ring_frees_its_slots(
     tmp_path, through_a_small_ring, monkeypatch
 ):
-    from reshard_svc.storage import local
-
-    real, calls = local._pwrite_all, []
-
-    def full_disk(fd, path, offset, data):
-        calls.append(offset)
-        if len(calls) == 2:
-            raise StorageError(f"write {path}: [Errno {errno.ENOSPC}] No space left on device")
-        real(fd, path, offset, data)
-
-    monkeypatch.setattr(local, "_pwrite_all", full_disk)
-    state = _state([3 << 20, 2 << 20], 5)
-    with pytest.raises(StorageError, match="No space left"):
-        reshard_svc.save(state, str(tmp_path / "full"), io_threads=2)
+    with monkeypatch.context() as patched:
+        _disk_full_at(patched, 2)
+        state = _state([3 << 20, 2 << 20], 5)
+        with pytest.raises(StorageError, match="No space left"):
+            reshard_svc.save(state, str(tmp_path / "full"), io_threads=2)
     assert all(slot.free.is_set() for slot in through_a_small_ring.slots)
-    monkeypatch.setattr(local, "_pwrite_all", real)
     reshard_svc.save(state, str(tmp_path / "ok"), io_threads=2)  # no slot left taken
     _assert_saved_whole(str(tmp_path / "ok"), state)
 
