@@ -91,6 +91,26 @@ STEP_KEY = "checkpoint_manager"
 RANK_LOCAL = "rank_local"
 
 
+def _checked(
+    interval: Any,
+    keep_last: int | None,
+    keep_every: int | None,
+    if_busy: str,
+    fast: Any,
+    optimizers: Iterable[Any],
+) -> list[Any]:
+    """A manager's settings checked before anything is taken (a :class:`UsageError`
+    naming the one to fix); returns the optimizers as a list."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise UsageError(f"interval must be a positive integer, got {interval!r}")
+    check_policy(keep_last, keep_every)
+    if if_busy not in ("wait", "defer"):
+        raise UsageError(f"if_busy must be 'wait' or 'defer', got {if_busy!r}")
+    if fast is not None and not isinstance(fast, FastTier):
+        raise UsageError(f"fast must be a reshard_svc.FastTier, got {type(fast).__name__}")
+    return _hookable(optimizers)
+
+
 def _hookable(optimizers: Iterable[Any]) -> list[Any]:
     """``optimizers`` as a list, each one able to take a step pre-hook."""
     out = list(optimizers)
@@ -168,10 +188,7 @@ class CheckpointManager:
         io_threads: int | str | None = None,
         optimizers: Iterable[Any] = (),
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise UsageError(f"interval must be a positive integer, got {interval!r}")
-        check_policy(keep_last, keep_every)
-        optimizers = _hookable(optimizers)
+        optimizers = _checked(interval, keep_last, keep_every, if_busy, fast, optimizers)
         self.io_threads = None if io_threads is None else count_io_threads(io_threads)
         self.root = root.rstrip("/")
         self.folders = StepFolders(self.root, storage_options)
@@ -184,35 +201,46 @@ class CheckpointManager:
         self.should_stop = False
         #: where the last :meth:`load` came from (step, tier, bytes by source, seconds)
         self.last_restore: RestoreInfo | None = None
-        if if_busy not in ("wait", "defer"):
-            raise UsageError(f"if_busy must be 'wait' or 'defer', got {if_busy!r}")
         self.if_busy = if_busy
         self._owed = False  # a due save was deferred: the next call saves
-        if fast is not None and not isinstance(fast, FastTier):
-            raise UsageError(f"fast must be a reshard_svc.FastTier, got {type(fast).__name__}")
         #: how long training last waited on checkpoints (seconds): a due ``save`` for the
         #: previous save to commit, or (overlap mode) an optimizer for the copies
         self.last_wait_s = 0.0
         self._signalled: int | None = None
         self._pending: tuple[int, Future[Any]] | None = None
         self._closed = False
+        self._start(async_save, fast)
+        self._previous_handlers: dict[int, Any] = {}
+        for sig in save_on_signals:
+            self._install(sig)
+        self._copying = False  # overlap mode: a save's copies may still be running
+        self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
+
+    def _start(self, async_save: bool, fast: FastTier | None) -> None:
+        """The manager's gloo group, the root's lease, the persistent tier's saver and the
+        fast tier (collective); when the fast tier cannot start, nothing of this manager
+        stays and the root is free again."""
         self._group = None
         if dist.is_available() and dist.is_initialized():
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            pg = self.process_group
+            ranks = None if pg is None else dist.get_process_group_ranks(pg)
             # the manager's agreements never share a communicator with training's
             self._group = dist.new_group(ranks=ranks, backend="gloo")
         self.comm = Comm(self._group)
         self._lease: Lease | None = None
-        self.comm.run_everywhere(f"CheckpointManager({root!r}): taking the root", self._take_root)
-        self._saver = AsyncSaver(process_group, io_threads=self.io_threads) if async_save else None
+        what = f"CheckpointManager({self.root!r}): taking the root"
+        self.comm.run_everywhere(what, self._take_root)
+        self._saver = (
+            AsyncSaver(self.process_group, io_threads=self.io_threads) if async_save else None
+        )
         # commit, then retention: the pending save is done when both are
         self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
         self._retention = threading.Lock()
         self._fast: FastSaves | None = None
         if fast is not None:
             try:
-                self._fast = FastSaves(fast, self.comm, process_group)
-            except BaseException:  # nothing of this manager stays: the root is free again
+                self._fast = FastSaves(fast, self.comm, self.process_group)
+            except BaseException:
                 if self._saver is not None:
                     self._saver.close()
                 self._post.shutdown(wait=True)
@@ -220,11 +248,6 @@ class CheckpointManager:
                 if self._group is not None:
                     dist.destroy_process_group(self._group)
                 raise
-        self._previous_handlers: dict[int, Any] = {}
-        for sig in save_on_signals:
-            self._install(sig)
-        self._copying = False  # overlap mode: a save's copies may still be running
-        self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
 
     # ---- the root
 
