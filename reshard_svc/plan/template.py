@@ -384,12 +384,26 @@ def _reader(
             if now == had:
                 return r, len(dests)
             heapq.heapreplace(heap, (now, key, r))
-    recv: dict[int, int] = {}
-    for inter, _, ds in rparts:
-        for h in ds:
-            recv[h] = recv.get(h, 0) + inter.numel * itemsize
-    reader = least_loaded(list(recv), load, prefer=recv, turn=turn)  # type: ignore[arg-type]
-    return reader, sum(1 for v in recv.values() if v == recv[reader])
+    if all(len(ds) == 1 for _, _, ds in rparts):  # a few single destinations
+        recv: dict[int, int] = {}
+        for inter, _, ds in rparts:
+            recv[ds[0]] = recv.get(ds[0], 0) + inter.numel * itemsize
+        reader = least_loaded(list(recv), load, prefer=recv, turn=turn)  # type: ignore[arg-type]
+        return reader, sum(1 for v in recv.values() if v == recv[reader])
+    # Parts of several replicated targets (a row-parallel band of a world-sharded source:
+    # thousands of holders): the same rule as least_loaded, over arrays of every rank.
+    bytes_to = np.zeros(len(load), dtype=np.int64)
+    holds = np.zeros(len(load), dtype=bool)
+    for inter, t, ds in rparts:
+        idx = _group(groups, t, ds)[0] if len(ds) > 1 else np.asarray(ds, dtype=np.int64)
+        bytes_to[idx] += inter.numel * itemsize
+        holds[idx] = True
+    cand = np.flatnonzero(holds)  # sorted, as least_loaded's ties are
+    got = bytes_to[cand]
+    most = cand[got == got.max()]  # the holders receiving most of it
+    light = load[most]
+    tied = most[light == light.min()]  # then the least loaded
+    return int(tied[turn % len(tied)]), len(most)
 
 
 def _summarize(

@@ -378,3 +378,105 @@ def test_the_plan_cache_hashes_a_key_once_and_matches_equal_keys():
     once = HashOnce((1, (2, 3)))
     assert once == (1, (2, 3)) and hash(once) == hash((1, (2, 3))) == hash(once)
     assert {once: 1}[(1, (2, 3))] == 1
+
+
+def _reference_reader(rparts, itemsize, load, turn, groups, heaps):
+    """The reader rule as it was before the planner took it over arrays: the holders'
+    received bytes in a dict, then :func:`least_loaded` (the heap path is unchanged)."""
+    from reshard_svc.layout.balance import least_loaded
+    from reshard_svc.plan import template
+
+    _, _, dests = rparts[0]
+    if len(dests) > 1 and all(d is dests or d == dests for _, _, d in rparts[1:]):
+        return template._reader_before_arrays(rparts, itemsize, load, turn, groups, heaps)
+    recv: dict[int, int] = {}
+    for inter, _, ds in rparts:
+        for h in ds:
+            recv[h] = recv.get(h, 0) + inter.numel * itemsize
+    reader = least_loaded(list(recv), load, prefer=recv, turn=turn)
+    return reader, sum(1 for v in recv.values() if v == recv[reader])
+
+
+def _plan_shape(plan: ReadPlan) -> list:
+    out = []
+    for inst in plan.instances:
+        for band in inst.template.bands:
+            out.append((band.reads, band.pieces, band.use.tolist()))
+    return [
+        out,
+        plan.bytes_read(),
+        plan.bytes_sent(),
+        [[(i.tensor, b) for i, b in w.items] for w in plan.waves],
+    ]
+
+
+@st.composite
+def world_sharded_to_replicated(draw):
+    """A source sharded over a whole world (FSDP2's default), loaded by a mesh whose
+    targets are replicated on one dim and split by rows or columns on the other."""
+    from reshard_svc.layout import Mesh, Replicate, Shard
+
+    world = draw(st.integers(2, 16))
+    shape = (draw(st.integers(1, 40)), draw(st.integers(1, 12)))
+    src = Layout(Mesh((world,)), (Shard(0),))
+    mesh = (draw(st.integers(1, 5)), draw(st.integers(1, 4)))
+    split = draw(st.sampled_from([Shard(0), Shard(1), Replicate()]))
+    dst = Layout(Mesh(mesh), (Replicate(), split))
+    budget = draw(st.integers(1, 4 * math.prod(shape) * ISZ + 64))
+    return shape, src, dst, budget, draw(st.sampled_from(["exchange", "direct"])), 3
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(problems(), world_sharded_to_replicated()))
+def test_the_array_reader_plans_exactly_what_the_dict_reader_planned(problem):
+    """The reader over arrays (every rank's received bytes and load at once) chooses what
+    least_loaded over a dict of holders chose: whole plans are equal, random layouts and
+    world-sharded sources into replicated targets alike."""
+    from reshard_svc.plan import template
+    from reshard_svc.plan.read import PLANS
+
+    PLANS.clear()
+    now = _plan_shape(plan_for(*problem)[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(template, "_reader_before_arrays", template._reader, raising=False)
+        mp.setattr(template, "_reader", _reference_reader)
+        PLANS.clear()
+        before = _plan_shape(plan_for(*problem)[1])
+    PLANS.clear()
+    assert now == before
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    world=st.integers(2, 64),
+    parts=st.lists(
+        st.tuples(st.integers(0, 50), st.lists(st.integers(0, 63), min_size=1, max_size=12)),
+        min_size=2,
+        max_size=8,
+    ),
+    loads=st.lists(st.integers(0, 3), min_size=64, max_size=64),
+    turn=st.integers(0, 20),
+)
+def test_the_array_reader_chooses_as_least_loaded_does(world, parts, loads, turn):
+    """Any read's parts (targets with their holder sets, sizes, empty ones too), any load
+    and turn: the same reader and the same count of equally good ones."""
+    import numpy as np
+
+    from reshard_svc.plan import template
+
+    rparts = []
+    for t, (n, holders) in enumerate(parts):
+        ds = tuple(sorted({h % world for h in holders}))
+        rparts.append((Box.trusted((0,), (n,)), t, ds))
+    if all(d == rparts[0][2] for _, _, d in rparts) and len(rparts[0][2]) > 1:
+        rparts[0] = (rparts[0][0], rparts[0][1], (rparts[0][2][0],))  # not the heap's case
+    load = np.asarray(loads[:world], dtype=np.int64)
+    got = template._reader(rparts, 2, load, turn, {}, {})
+    from reshard_svc.layout.balance import least_loaded
+
+    recv: dict[int, int] = {}
+    for inter, _, ds in rparts:
+        for h in ds:
+            recv[h] = recv.get(h, 0) + inter.numel * 2
+    reader = least_loaded(list(recv), load, prefer=recv, turn=turn)
+    assert got == (reader, sum(1 for v in recv.values() if v == recv[reader]))
