@@ -9,12 +9,14 @@ one target rank at a time; we time a sample of ranks and extrapolate to all of t
 Also prints the plan's quality at 64 and 512 workers (max/mean bytes read and sent per
 worker), planning time at three model sizes, and a repeated plan (served by the cache);
 a replication sweep (one tensor of 2,048 stored chunks loaded ``Replicate`` by 256 …
-4,096 ranks); and two 1T-parameter MoEs saved on 2,048 ranks (dp=32 × ep=64) and loaded
+4,096 ranks); and 1T-parameter MoEs saved on 2,048 ranks (dp=32 × ep=64) and loaded
 on 4,096 (ep=256 × tp=16, norms and routers replicated): one Kimi-K2-shaped (61 layers,
 384 experts, hidden 7168, attention as three dense projections), one of DeepSeek-V3's
 shape (MLA's five projections and their norms, a dense first layer, separate
-gate/up/down expert stacks, a shared expert, router score biases), each against torch's
-per-rank planner in the same run, with the peak RSS of this process.
+gate/up/down expert stacks, a shared expert, router score biases), and the first saved
+as FSDP2 does by default (every non-expert parameter over the whole 2,048-rank world)
+and loaded with attention row-parallel too; each against torch's per-rank planner in the
+same run, with the peak RSS of this process.
 
     python bench/plan.py [--torch-ranks 4] [--layers 126] [--runs 3] [--moe-layers 61]
 
@@ -251,10 +253,23 @@ def moe_1t_mla(layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
     return m
 
 
-MOE_SHAPES = {"kimi-k2-ish": moe_1t, "mla": moe_1t_mla}
+def moe_1t_rowwise(layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """:func:`moe_1t` with its attention output projection row-parallel when loaded (kind
+    ``row``): every loaded box of it is a column slice of all rows."""
+    return {
+        n: (s, "row" if n.endswith("attention.wo.weight") else k)
+        for n, (s, k) in moe_1t(layers).items()
+    }
+
+
+MOE_SHAPES = {"kimi-k2-ish": moe_1t, "mla": moe_1t_mla, "fsdp2-world": moe_1t_rowwise}
 
 
 def moe_case(layers: int, torch_ranks: int, shape: str = "kimi-k2-ish") -> dict:
+    """A 1T MoE planned for 4,096 ranks. ``fsdp2-world`` is saved as ``fully_shard`` does
+    by default: every non-expert parameter, norms and routers included, ``S(0)`` over the
+    whole 2,048-rank world (experts FSDP x EP as in the others), and loaded with attention
+    column- *and* row-parallel: replicated targets fed by thousands of tiny chunks."""
     src = {
         k: Layout.parse("dp=32,ep=64", p)
         for k, p in (("dense", "S(0),S(0)"), ("norm", "S(0),S(0)"), ("experts", "S(1),S(0)"))
@@ -263,6 +278,10 @@ def moe_case(layers: int, torch_ranks: int, shape: str = "kimi-k2-ish") -> dict:
         k: Layout.parse("ep=256,tp=16", p)
         for k, p in (("dense", "R,S(0)"), ("norm", "R,R"), ("experts", "S(0),S(1)"))
     }
+    if shape == "fsdp2-world":
+        for kind in ("dense", "norm", "row"):
+            src[kind] = Layout.parse("dp=2048", "S(0)")
+        dst["row"] = Layout.parse("ep=256,tp=16", "R,S(1)")
     model = MOE_SHAPES[shape](layers)
     index = index_of(model, src)
     params = sum(math.prod(s) for s, _ in model.values())
@@ -273,7 +292,8 @@ def moe_case(layers: int, torch_ranks: int, shape: str = "kimi-k2-ish") -> dict:
     per_rank, timed, _ = torch_per_rank(index, model, dst, 4096, torch_ranks)
     return {
         "bench": "plan",
-        "case": "1T MoE, dp=32 x ep=64 (2,048) -> ep=256 x tp=16 (4,096)",
+        "case": "1T MoE, dp=32 x ep=64 (2,048) -> ep=256 x tp=16 (4,096)"
+        + (": FSDP2 over the world, attention row-parallel too" if shape == "fsdp2-world" else ""),
         "shape": shape,
         "layers": layers,
         "params": params,
