@@ -2,8 +2,12 @@
 
 The packages are layers, each importing only from the ones below it: ``layout`` (pure
 geometry), ``storage`` (bytes at a URI), ``format`` (safetensors, checksums, the index,
-foreign sources), ``plan`` (pure plans), ``runtime`` (process groups and the one executor:
-``save``, ``load``, ``convert``, ``transfer``) and ``jobs`` (the torchrun worker).
+foreign sources, step folders), ``plan`` (pure plans and budgets), ``jobs`` (the job
+contract: ``ConvertSpec`` and its forms, the worker's command line, no torch), ``runtime``
+(process groups, the stager and the pools of checking writers, and the one executor:
+``save``, ``async_save``, ``load``, ``convert``, ``transfer``) and ``sessions`` (objects
+that live across calls: ``CheckpointManager`` with its fast tier, ``WeightSync``); the
+torchrun worker (``reshard_svc.worker``) runs a ``ConvertSpec`` on top of them all.
 """
 
 from typing import TYPE_CHECKING
