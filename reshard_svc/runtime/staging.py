@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from reshard_svc.layout import Box
-from reshard_svc.runtime.buffers import reclaim, release
+from reshard_svc.runtime.buffers import reclaim, release, tensor_bytes
 from reshard_svc.runtime.targets import Placed
 
 __all__ = ["Stager", "can_fork"]
@@ -300,7 +300,7 @@ class PinnedRing:
                 self._stream.synchronize()
             else:
                 dst.copy_(flat[start : start + n])
-            yield memoryview(dst.numpy()), slot
+            yield tensor_bytes(dst), slot
 
 
 _RING: PinnedRing | None = None

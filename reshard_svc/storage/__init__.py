@@ -15,7 +15,7 @@ from typing import Any
 import fsspec.utils
 
 from reshard_svc.errors import StorageError
-from reshard_svc.storage.base import COMMIT_FILE, Committer, LeaseStore, Storage
+from reshard_svc.storage.base import COMMIT_FILE, Committer, LeaseStore, Storage, Target
 from reshard_svc.storage.fsspec_store import FsspecStorage
 from reshard_svc.storage.local import LocalStorage
 from reshard_svc.storage.s3 import S3Storage
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def open_storage(uri: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:
+def open_storage(uri: str, storage_options: Mapping[str, Any] | None = None) -> Target:
     """The storage for a checkpoint folder URI (``/path``, ``file://``, ``s3://``, ...)."""
     if not isinstance(uri, str) or not uri:
         raise StorageError(f"checkpoint URI must be a non-empty string, got {uri!r}")

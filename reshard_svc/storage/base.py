@@ -54,6 +54,9 @@ class Storage(Protocol):
     """A folder of files on some storage, addressed by ``uri``."""
 
     uri: str
+    #: the folder as its backend names it (a path, ``bucket/key``): two storages of one
+    #: kind with the same root are the same folder
+    root: str
     #: fsspec options the storage was opened with (endpoint, credentials, retries)
     storage_options: dict[str, object]
     #: File names inside a staging area carry this suffix before ``.safetensors`` so a
