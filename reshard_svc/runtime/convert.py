@@ -58,7 +58,7 @@ from reshard_svc.runtime.executor import Progress, execute
 from reshard_svc.runtime.load import open_shared
 from reshard_svc.runtime.reading import StorageSource
 from reshard_svc.runtime.writers import BandSink, FileWriter, copy_blobs, copy_model_files
-from reshard_svc.storage import open_storage
+from reshard_svc.storage import Storage, open_storage
 
 __all__ = ["ConvertResult", "DEFAULT_SHARD_SIZE", "convert", "parse_size"]
 
@@ -143,28 +143,28 @@ def convert(
     The arguments make one :class:`~reshard_svc.jobs.spec.ConvertSpec` (the job contract
     the CLI, the server and the worker use too), checked in one place.
     """
-    spec = ConvertSpec(
-        source=src,
-        target=dst,
-        mesh=_mesh_names(mesh),
-        rules=dict(load_rules(rules)) if rules is not None else None,
-        format=format,  # type: ignore[arg-type]
-        dtype=_dtype_name(dtype),  # type: ignore[arg-type]
-        keep_dtype=list(keep_dtype) if keep_dtype else None,
-        strategy=strategy,  # type: ignore[arg-type]
-        checksum=check_algorithm(checksum),
-        max_memory=_size_text(max_memory),
-        max_shard_size=_size_text(max_shard_size),
-        overwrite=overwrite,
-        only=list(only) if only else None,
-        strip_prefix=strip_prefix,
-        copy_config=copy_config,
-        rename=_rename_texts(rename),
-        split_layers=split_layers,
-        dequantize=dequantize,
-        io_threads=io_threads,
-        device=device,  # type: ignore[arg-type]
-    ).checked()
+    # as typed by a caller (text for the enums and sizes): ConvertSpec.checked parses them
+    options: dict[str, Any] = {
+        "mesh": _mesh_names(mesh),
+        "rules": dict(load_rules(rules)) if rules is not None else None,
+        "format": format,
+        "dtype": _dtype_name(dtype),
+        "keep_dtype": list(keep_dtype) if keep_dtype else None,
+        "strategy": strategy,
+        "checksum": check_algorithm(checksum),
+        "max_memory": _size_text(max_memory),
+        "max_shard_size": _size_text(max_shard_size),
+        "overwrite": overwrite,
+        "only": list(only) if only else None,
+        "strip_prefix": strip_prefix,
+        "copy_config": copy_config,
+        "rename": _rename_texts(rename),
+        "split_layers": split_layers,
+        "dequantize": dequantize,
+        "io_threads": io_threads,
+        "device": device,
+    }
+    spec = ConvertSpec(source=src, target=dst, **options).checked()
     conversion = Conversion(spec, process_group=process_group, storage_options=storage_options)
     with collector_paused():  # see reshard_svc._collector: no full collection mid-run
         return conversion.run(progress)
@@ -242,6 +242,8 @@ class Conversion:
     collective its peers abandoned; any failure before the commit drops the staging data.
     """
 
+    staging: Storage  # the target's staging area, set by open_target
+
     def __init__(
         self,
         spec: ConvertSpec,
@@ -259,6 +261,10 @@ class Conversion:
         self.io_threads = count_io_threads(spec.io_threads)
         self.storage_options = storage_options
         self.run_: TargetRun | None = None
+        #: whether :meth:`open_target` took the target: then ``token`` is the run's and
+        #: ``staging`` its staging area (a dry run plans without them)
+        self.opened = False
+        self.token = "0" * 32
         self.writers: dict[str, FileWriter] = {}
 
     def run(self, progress: Progress | None) -> ConvertResult:
@@ -342,6 +348,7 @@ class Conversion:
         )
         self.token = tokens[0]
         self.staging = self.target.staging(self.token)
+        self.opened = True
 
     def plan(
         self, world: int | None = None
@@ -355,10 +362,8 @@ class Conversion:
         )
         world = world or self.comm.world
         if self.spec.format == Format.NATIVE:
-            staging = getattr(self, "staging", None)
-            token = getattr(self, "token", "0" * 32)
-            suffix = staging.file_suffix if staging is not None else ""
-            out = plan_native(self.index, self.layouts, self.dtypes, world, token, suffix)
+            suffix = self.staging.file_suffix if self.opened else ""
+            out = plan_native(self.index, self.layouts, self.dtypes, world, self.token, suffix)
         else:
             out = plan_hf(self.index, self.dtypes, world, self.shard_cap)
         self.file_writer = {f.name: f.writer for f in out.files}
