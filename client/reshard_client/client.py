@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -78,13 +78,16 @@ class _SSE:
         return None
 
 
+R = TypeVar("R")
+
+
 @dataclass(frozen=True, kw_only=True)
-class _Call:
-    """One request of the API and how to read its answer."""
+class _Call(Generic[R]):
+    """One request of the API and how to read its answer (an ``R``)."""
 
     method: str
     path: str
-    parse: Callable[[Any], Any]
+    parse: Callable[[Any], R]
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -92,7 +95,7 @@ class _Api:
     """Every call of the REST API, built from the public methods' arguments."""
 
     @staticmethod
-    def submit(spec: JobCreate | dict[str, Any], idempotency_key: str | None) -> _Call:
+    def submit(spec: JobCreate | dict[str, Any], idempotency_key: str | None) -> _Call[JobPublic]:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return _Call(
             method="POST",
@@ -102,11 +105,13 @@ class _Api:
         )
 
     @staticmethod
-    def get(job_id: str) -> _Call:
+    def get(job_id: str) -> _Call[JobPublic]:
         return _Call(method="GET", path=f"/v1/jobs/{job_id}", parse=JobPublic.model_validate)
 
     @staticmethod
-    def list(state: str | None, limit: int, offset: int, owner: str | None = None) -> _Call:
+    def list(
+        state: str | None, limit: int, offset: int, owner: str | None = None
+    ) -> _Call[JobList]:
         params: dict[str, Any] = {"limit": limit, "offset": offset}
         if state:
             params["state"] = state
@@ -117,7 +122,7 @@ class _Api:
         )
 
     @staticmethod
-    def audit(limit: int, principal: str | None, before: int | None) -> _Call:
+    def audit(limit: int, principal: str | None, before: int | None) -> _Call[AuditList]:
         params: dict[str, Any] = {"limit": limit}
         if principal:
             params["principal"] = principal
@@ -131,13 +136,13 @@ class _Api:
         )
 
     @staticmethod
-    def cancel(job_id: str) -> _Call:
+    def cancel(job_id: str) -> _Call[JobPublic]:
         return _Call(
             method="POST", path=f"/v1/jobs/{job_id}/cancel", parse=JobPublic.model_validate
         )
 
     @staticmethod
-    def logs(job_id: str, offset: int, tail: int | None) -> _Call:
+    def logs(job_id: str, offset: int, tail: int | None) -> _Call[JobLogs]:
         params: dict[str, Any] = {"offset": offset}
         if tail:
             params["tail"] = tail
@@ -149,19 +154,19 @@ class _Api:
         )
 
     @staticmethod
-    def checkpoint(uri: str) -> _Call:
+    def checkpoint(uri: str) -> _Call[dict[str, Any]]:
         return _Call(
             method="GET", path="/v1/checkpoints", parse=dict, options={"params": {"uri": uri}}
         )
 
     @staticmethod
-    def plan(spec: PlanCreate | dict[str, Any]) -> _Call:
+    def plan(spec: PlanCreate | dict[str, Any]) -> _Call[dict[str, Any]]:
         model = spec if isinstance(spec, PlanCreate) else PlanCreate(**spec)
         body = model.model_dump(mode="json", exclude_none=True)
         return _Call(method="POST", path="/v1/plans", parse=dict, options={"json": body})
 
     @staticmethod
-    def watch(spec: WatchCreate | dict[str, Any]) -> _Call:
+    def watch(spec: WatchCreate | dict[str, Any]) -> _Call[WatchPublic]:
         model = spec if isinstance(spec, WatchCreate) else WatchCreate(**spec)
         body = model.model_dump(mode="json", exclude_none=True)
         return _Call(
@@ -172,7 +177,7 @@ class _Api:
         )
 
     @staticmethod
-    def watches(all: bool) -> _Call:
+    def watches(all: bool) -> _Call[WatchList]:
         return _Call(
             method="GET",
             path="/v1/watches",
@@ -181,11 +186,11 @@ class _Api:
         )
 
     @staticmethod
-    def get_watch(watch_id: str) -> _Call:
+    def get_watch(watch_id: str) -> _Call[WatchPublic]:
         return _Call(method="GET", path=f"/v1/watches/{watch_id}", parse=WatchPublic.model_validate)
 
     @staticmethod
-    def unwatch(watch_id: str) -> _Call:
+    def unwatch(watch_id: str) -> _Call[WatchPublic]:
         return _Call(
             method="DELETE", path=f"/v1/watches/{watch_id}", parse=WatchPublic.model_validate
         )
@@ -239,7 +244,7 @@ class ReshardClient:
     def close(self) -> None:
         self._http.close()
 
-    def _send(self, call: _Call) -> Any:
+    def _send(self, call: _Call[R]) -> R:
         try:
             resp = _check(self._http.request(call.method, call.path, **call.options))
         except httpx.TransportError as e:
@@ -249,10 +254,10 @@ class ReshardClient:
     def submit(
         self, spec: JobCreate | dict[str, Any], *, idempotency_key: str | None = None
     ) -> JobPublic:
-        return self._send(_Api.submit(spec, idempotency_key))  # type: ignore[no-any-return]
+        return self._send(_Api.submit(spec, idempotency_key))
 
     def get(self, job_id: str) -> JobPublic:
-        return self._send(_Api.get(job_id))  # type: ignore[no-any-return]
+        return self._send(_Api.get(job_id))
 
     def list(
         self,
@@ -263,39 +268,39 @@ class ReshardClient:
         owner: str | None = None,
     ) -> JobList:
         """Your jobs, newest first (an admin's: everyone's, or ``owner``'s)."""
-        return self._send(_Api.list(state, limit, offset, owner))  # type: ignore[no-any-return]
+        return self._send(_Api.list(state, limit, offset, owner))
 
     def audit(
         self, *, limit: int = 100, principal: str | None = None, before: int | None = None
     ) -> AuditList:
         """The audit log, newest first (admins only)."""
-        return self._send(_Api.audit(limit, principal, before))  # type: ignore[no-any-return]
+        return self._send(_Api.audit(limit, principal, before))
 
     def cancel(self, job_id: str) -> JobPublic:
-        return self._send(_Api.cancel(job_id))  # type: ignore[no-any-return]
+        return self._send(_Api.cancel(job_id))
 
     def logs(self, job_id: str, *, offset: int = 0, tail: int | None = None) -> JobLogs:
-        return self._send(_Api.logs(job_id, offset, tail))  # type: ignore[no-any-return]
+        return self._send(_Api.logs(job_id, offset, tail))
 
     def checkpoint(self, uri: str) -> dict[str, Any]:
-        return self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
+        return self._send(_Api.checkpoint(uri))
 
     def plan(self, spec: PlanCreate | dict[str, Any]) -> dict[str, Any]:
         """A dry run on the server (``reshard plan``): what each worker would do."""
-        return self._send(_Api.plan(spec))  # type: ignore[no-any-return]
+        return self._send(_Api.plan(spec))
 
     def watch(self, spec: WatchCreate | dict[str, Any]) -> WatchPublic:
         """Convert each newly committed step of ``spec["root"]`` (see ``WatchCreate``)."""
-        return self._send(_Api.watch(spec))  # type: ignore[no-any-return]
+        return self._send(_Api.watch(spec))
 
     def watches(self, *, all: bool = False) -> WatchList:
-        return self._send(_Api.watches(all))  # type: ignore[no-any-return]
+        return self._send(_Api.watches(all))
 
     def get_watch(self, watch_id: str) -> WatchPublic:
-        return self._send(_Api.get_watch(watch_id))  # type: ignore[no-any-return]
+        return self._send(_Api.get_watch(watch_id))
 
     def unwatch(self, watch_id: str) -> WatchPublic:
-        return self._send(_Api.unwatch(watch_id))  # type: ignore[no-any-return]
+        return self._send(_Api.unwatch(watch_id))
 
     def events(self, job_id: str) -> Iterator[tuple[str, JobPublic]]:
         """Server-sent events until the job ends: ("progress" | "state", job)."""
@@ -352,7 +357,7 @@ class AsyncReshardClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _send(self, call: _Call) -> Any:
+    async def _send(self, call: _Call[R]) -> R:
         try:
             resp = _check(await self._http.request(call.method, call.path, **call.options))
         except httpx.TransportError as e:
@@ -362,10 +367,10 @@ class AsyncReshardClient:
     async def submit(
         self, spec: JobCreate | dict[str, Any], *, idempotency_key: str | None = None
     ) -> JobPublic:
-        return await self._send(_Api.submit(spec, idempotency_key))  # type: ignore[no-any-return]
+        return await self._send(_Api.submit(spec, idempotency_key))
 
     async def get(self, job_id: str) -> JobPublic:
-        return await self._send(_Api.get(job_id))  # type: ignore[no-any-return]
+        return await self._send(_Api.get(job_id))
 
     async def list(
         self,
@@ -375,38 +380,38 @@ class AsyncReshardClient:
         offset: int = 0,
         owner: str | None = None,
     ) -> JobList:
-        return await self._send(_Api.list(state, limit, offset, owner))  # type: ignore[no-any-return]
+        return await self._send(_Api.list(state, limit, offset, owner))
 
     async def audit(
         self, *, limit: int = 100, principal: str | None = None, before: int | None = None
     ) -> AuditList:
-        return await self._send(_Api.audit(limit, principal, before))  # type: ignore[no-any-return]
+        return await self._send(_Api.audit(limit, principal, before))
 
     async def cancel(self, job_id: str) -> JobPublic:
-        return await self._send(_Api.cancel(job_id))  # type: ignore[no-any-return]
+        return await self._send(_Api.cancel(job_id))
 
     async def logs(self, job_id: str, *, offset: int = 0, tail: int | None = None) -> JobLogs:
-        return await self._send(_Api.logs(job_id, offset, tail))  # type: ignore[no-any-return]
+        return await self._send(_Api.logs(job_id, offset, tail))
 
     async def checkpoint(self, uri: str) -> dict[str, Any]:
-        return await self._send(_Api.checkpoint(uri))  # type: ignore[no-any-return]
+        return await self._send(_Api.checkpoint(uri))
 
     async def plan(self, spec: PlanCreate | dict[str, Any]) -> dict[str, Any]:
         """A dry run on the server (``reshard plan``): what each worker would do."""
-        return await self._send(_Api.plan(spec))  # type: ignore[no-any-return]
+        return await self._send(_Api.plan(spec))
 
     async def watch(self, spec: WatchCreate | dict[str, Any]) -> WatchPublic:
         """Convert each newly committed step of ``spec["root"]`` (see ``WatchCreate``)."""
-        return await self._send(_Api.watch(spec))  # type: ignore[no-any-return]
+        return await self._send(_Api.watch(spec))
 
     async def watches(self, *, all: bool = False) -> WatchList:
-        return await self._send(_Api.watches(all))  # type: ignore[no-any-return]
+        return await self._send(_Api.watches(all))
 
     async def get_watch(self, watch_id: str) -> WatchPublic:
-        return await self._send(_Api.get_watch(watch_id))  # type: ignore[no-any-return]
+        return await self._send(_Api.get_watch(watch_id))
 
     async def unwatch(self, watch_id: str) -> WatchPublic:
-        return await self._send(_Api.unwatch(watch_id))  # type: ignore[no-any-return]
+        return await self._send(_Api.unwatch(watch_id))
 
     async def events(self, job_id: str) -> AsyncIterator[tuple[str, JobPublic]]:
         """Server-sent events until the job ends: ("progress" | "state", job)."""
