@@ -32,7 +32,7 @@ from reshard_server.config import Settings
 from reshard_server.db import JobRow, JobStore
 from reshard_server.launchers import EngineStatus, Launch, Launcher
 from reshard_server.ticker import Ticker
-from reshard_svc.jobs.environment import lease_owner, worker_env
+from reshard_svc.jobs.environment import lease_owner
 from reshard_svc.jobs.spec import ConvertSpec
 
 __all__ = ["JobManager", "token_hash"]
@@ -276,18 +276,14 @@ class JobManager(Ticker):
             token_hash=token_hash(token),
         ):
             return
-        env = worker_env(
-            self.settings.worker_env(),
-            job_id=job.id,
-            callback_token=token,
-            callback_url=f"{self.settings.callback_base()}/v1/jobs/{job.id}/events",
-        )
         launch = Launch(
             job_id=job.id,
             attempt=job.attempts + 1,
             spec=ConvertSpec.from_json(job.spec),
-            env=env,
+            env=self.settings.worker_env(),
             log_path=self.log_path(job.id),
+            callback_url=f"{self.settings.callback_base()}/v1/jobs/{job.id}/events",
+            callback_token=token,
         )
         try:
             handle = self.launcher.submit(launch)

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from reshard_svc._process import set_pdeathsig, tagged_pids
 from reshard_svc.jobs.argv import worker_argv
-from reshard_svc.jobs.environment import JOB_ENV, LAUNCH_ENV
+from reshard_svc.jobs.environment import JOB_ENV, LAUNCH_ENV, worker_env
 from reshard_svc.jobs.spec import ConvertSpec
 
 __all__ = [
@@ -53,8 +53,22 @@ class Launch:
     job_id: str
     attempt: int
     spec: ConvertSpec
-    env: dict[str, str]  # RESHARD_JOB_ID, callback URL and token, operator env
+    env: dict[str, str]  # the operator's environment for workers
     log_path: Path  # where a local engine writes; remote engines keep their own
+    callback_url: str | None = None  # where workers post their events
+    callback_token: str | None = None  # this attempt's own token for it
+
+    def environment(self, launch_id: str | None = None) -> dict[str, str]:
+        """The workers' environment: :func:`~reshard_svc.jobs.environment.worker_env` of
+        ``env`` with this job, its event callback and (a local engine's) ``launch_id``:
+        the one place it is applied."""
+        return worker_env(
+            self.env,
+            job_id=self.job_id,
+            launch_id=launch_id,
+            callback_url=self.callback_url,
+            callback_token=self.callback_token,
+        )
 
     @property
     def name(self) -> str:

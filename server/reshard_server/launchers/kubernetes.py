@@ -25,7 +25,7 @@ from typing import Any
 
 from reshard_server.config import Settings
 from reshard_server.launchers.base import EngineStatus, Handle, Launch, LauncherError
-from reshard_svc.jobs.environment import WORKER_NAMES, worker_env
+from reshard_svc.jobs.environment import WORKER_NAMES
 
 __all__ = ["GROUP", "PLURAL", "VERSION", "KubernetesLauncher", "trainjob_body"]
 
@@ -46,7 +46,7 @@ def trainjob_body(launch: Launch, settings: Settings, namespace: str) -> dict[st
     """The TrainJob for one attempt of a job (validated in the tests against the
     Kubeflow Trainer API schema)."""
     spec = launch.spec
-    own = worker_env(launch.env, job_id=launch.job_id)
+    own = launch.environment()
     env: list[dict[str, Any]] = [
         {"name": name, "value": own[name]}
         for name in (*WORKER_NAMES, "PYTHONUNBUFFERED", "OMP_NUM_THREADS", *PASSED_ENV)

@@ -28,7 +28,6 @@ from reshard_server.launchers.base import (
     tagged_pids,
 )
 from reshard_svc._process import alive, process_start
-from reshard_svc.jobs.environment import worker_env
 
 __all__ = ["LocalLauncher"]
 
@@ -55,7 +54,7 @@ class LocalLauncher:
             *launch.worker_argv(),
         ]
         launch_id = f"{launch.name}-{uuid.uuid4().hex[:8]}"
-        env = worker_env(launch.env, job_id=launch.job_id, launch_id=launch_id)
+        env = launch.environment(launch_id)
         with open(launch.log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()

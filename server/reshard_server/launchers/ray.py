@@ -26,7 +26,6 @@ from typing import Any
 
 from reshard_server.config import Settings
 from reshard_server.launchers.base import EngineStatus, Handle, Launch, LauncherError
-from reshard_svc.jobs.environment import worker_env
 from reshard_svc.jobs.ray_entry import STATUS
 
 __all__ = ["RayLauncher", "entrypoint", "runtime_env"]
@@ -58,7 +57,7 @@ def entrypoint(launch: Launch, python: str) -> str:
 
 def runtime_env(launch: Launch) -> dict[str, Any]:
     """The job's environment on the cluster: its own variables and the storage settings."""
-    env = worker_env(launch.env, job_id=launch.job_id)
+    env = launch.environment()
     keep = {
         k: v
         for k, v in env.items()

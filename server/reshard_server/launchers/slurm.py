@@ -33,7 +33,6 @@ from reshard_server.launchers.base import (
     LauncherError,
     read_log,
 )
-from reshard_svc.jobs.environment import worker_env
 
 __all__ = ["SlurmLauncher", "render_script", "slurm_state"]
 
@@ -168,7 +167,7 @@ class SlurmLauncher:
         script = self.log_dir / f"{launch.name}.sbatch"
         script.write_text(render_script(launch, self.settings, self.python, log))
         extra = shlex.split(self.settings.slurm_extra_args)
-        env = worker_env(launch.env, job_id=launch.job_id)
+        env = launch.environment()
         r = self._run("sbatch", "--parsable", *extra, str(script), env=env)
         if r.returncode != 0:
             raise LauncherError(f"sbatch failed: {r.stderr.strip() or r.stdout.strip()}")
