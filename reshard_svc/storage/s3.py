@@ -6,7 +6,9 @@ of exactly the bytes sent (multipart uploads are created with ``ChecksumAlgorith
 and completed with each part's checksum). S3 recomputes it and refuses the request on a
 mismatch. s3fs's own writer cannot do this: it passes no per-part checksum, and S3 then
 refuses to complete a CRC32C multipart upload. So this module drives the multipart upload
-itself through s3fs's ``call_s3`` (same client, credentials and endpoint settings).
+itself through s3fs's ``call_s3`` (same client, credentials and endpoint settings), up to
+:data:`PARTS_IN_FLIGHT` parts of one object at once (s3fs runs each request on its event
+loop, so the parts travel in parallel; a writer waits only when that many are in flight).
 
 The lease (``.reshard-lease.json`` in the folder) is created with ``If-None-Match: *``
 (S3 has refused a second create with 412 since 2024), renewed and taken over with
@@ -19,6 +21,8 @@ from __future__ import annotations
 import base64
 import logging
 import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import IO, Any, cast
 
 import crc32c
@@ -39,6 +43,8 @@ RETRIES = {"max_attempts": 10, "mode": "standard"}
 #: Bytes per uploaded part (S3 allows 5 MiB to 5 GiB, at most 10,000 parts per object).
 PART_SIZE = 32 * 1024 * 1024
 MAX_PARTS = 10_000
+#: Parts of one object being uploaded at once (memory: this many parts of PART_SIZE).
+PARTS_IN_FLIGHT = 4
 
 
 def crc32c_b64(data: Any) -> str:
@@ -49,16 +55,22 @@ def crc32c_b64(data: Any) -> str:
 class S3ChecksumWriter:
     """A write-only binary stream to one S3 object; the object appears on ``close``."""
 
-    def __init__(self, fs: Any, path: str, part_size: int = PART_SIZE) -> None:
+    def __init__(
+        self, fs: Any, path: str, part_size: int = PART_SIZE, parallel: int = PARTS_IN_FLIGHT
+    ) -> None:
         self.fs = fs
         self.path = path
         self.bucket, self.key, _ = fs.split_path(path)
         self.part_size = part_size
+        self.parallel = max(1, parallel)
         self.buffer = bytearray()
-        self.parts: list[dict[str, Any]] = []
+        self.parts: list[dict[str, Any]] = []  # uploaded, in the order they finished
         self.upload_id: str | None = None
         self.closed = False
         self.size = 0
+        self._numbered = 0  # parts handed out
+        self._inflight: deque[Future[dict[str, Any]]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
 
     def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
         with translate_errors(method, self.path):
@@ -69,16 +81,22 @@ class S3ChecksumWriter:
         self.buffer += view
         self.size += view.nbytes
         while len(self.buffer) >= self.part_size:
-            if len(self.parts) >= MAX_PARTS - 1:
+            if self._numbered >= MAX_PARTS - 1:
                 self.part_size *= 2  # keep very large objects within S3's part limit
                 if len(self.buffer) < self.part_size:
                     break
             chunk = bytes(self.buffer[: self.part_size])
             del self.buffer[: self.part_size]
-            self._upload_part(chunk)
+            try:
+                self._upload_part(chunk)
+            except BaseException:
+                self.discard()  # a part failed: no object, no upload left behind
+                raise
         return view.nbytes
 
     def _upload_part(self, chunk: bytes) -> None:
+        """Send ``chunk`` as the next part, beside the parts in flight (at most
+        :attr:`parallel`: the oldest is waited for first; its error is raised here)."""
         if self.upload_id is None:
             mpu = self._call(
                 "create_multipart_upload",
@@ -87,7 +105,14 @@ class S3ChecksumWriter:
                 ChecksumAlgorithm="CRC32C",
             )
             self.upload_id = mpu["UploadId"]
-        number = len(self.parts) + 1
+        self._numbered += 1
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="reshard-s3-part")
+        while len(self._inflight) >= self.parallel:
+            self.parts.append(self._inflight.popleft().result())
+        self._inflight.append(self._pool.submit(self._put_part, self._numbered, chunk))
+
+    def _put_part(self, number: int, chunk: bytes) -> dict[str, Any]:
         checksum = crc32c_b64(chunk)
         out = self._call(
             "upload_part",
@@ -99,7 +124,20 @@ class S3ChecksumWriter:
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=checksum,
         )
-        self.parts.append({"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum})
+        return {"PartNumber": number, "ETag": out["ETag"], "ChecksumCRC32C": checksum}
+
+    def _settle(self) -> None:
+        """Wait for every part in flight (the first error raised, after all have ended),
+        and stop the part threads."""
+        try:
+            wait(self._inflight)
+            while self._inflight:
+                self.parts.append(self._inflight.popleft().result())
+        finally:
+            self._inflight.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def flush(self) -> None:
         """Parts go out as they fill; the object is committed by :meth:`close`."""
@@ -119,8 +157,14 @@ class S3ChecksumWriter:
                 ChecksumCRC32C=crc32c_b64(body),
             )
         else:
-            if self.buffer:
-                self._upload_part(bytes(self.buffer))
+            try:
+                if self.buffer:
+                    self._upload_part(bytes(self.buffer))
+                self._settle()
+            except BaseException:
+                self.discard()  # a part failed: no object, no upload left behind
+                raise
+            self.parts.sort(key=lambda p: int(p["PartNumber"]))
             try:
                 self._call(
                     "complete_multipart_upload",
@@ -151,6 +195,10 @@ class S3ChecksumWriter:
         """Drop what was uploaded (an unfinished multipart upload leaves no object)."""
         self.closed = True
         self.buffer = bytearray()
+        try:
+            self._settle()
+        except Exception:  # a part that failed: the upload is aborted anyway
+            logger.debug("a part of %s failed before the abort", self.path, exc_info=True)
         if self.upload_id is not None:
             try:
                 self._call(
