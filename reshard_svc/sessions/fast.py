@@ -266,6 +266,17 @@ class FastSaves:
         """Wait for the snapshot's copies (see :meth:`Stager.finish_copies`)."""
         return self._snapshot.stager.finish_copies()
 
+    def _whole_snapshot(self) -> None:
+        """Once the snapshot's copies are done: :class:`TornSnapshotError` when a tensor
+        changed in place before its copy finished."""
+        torn = self.finish_copies()
+        if torn:
+            raise TornSnapshotError(
+                f"{', '.join(repr(t) for t in torn[:5])} changed in place before the "
+                "snapshot's copy finished (wait for the copies before optimizer.step)",
+                torn,
+            )
+
     def wait(self) -> bool | None:
         """Wait for the fast save in flight; whether it committed (None: none was)."""
         pending, self._pending = self._pending, None
@@ -300,13 +311,7 @@ class FastSaves:
         try:
             if isinstance(prepared, str):
                 raise CheckpointError(prepared)
-            torn = self.finish_copies()
-            if torn:
-                raise TornSnapshotError(
-                    f"{', '.join(repr(t) for t in torn[:5])} changed in place before the "
-                    "snapshot's copy finished (wait for the copies before optimizer.step)",
-                    torn,
-                )
+            self._whole_snapshot()
             if prepared is None:
                 folder = self._prepare(step)
                 self._write_part(folder, self.comm.rank, self._snapshot)
