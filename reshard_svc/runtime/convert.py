@@ -421,6 +421,7 @@ class Conversion:
             self.comm.rank,
             self.index.block_tables(),
             check_in_place=False,
+            io_threads=self.io_threads,
         )
         bytes_read = execute(plan, source, self.comm, sink, progress=progress)
 

@@ -22,6 +22,7 @@ from reshard_svc.format.index import FORMAT_NAME, INDEX_NAME, CheckpointIndex
 from reshard_svc.format.readers import open_checkpoint
 from reshard_svc.format.values import StoredValues, opaque_in
 from reshard_svc.plan.budget import Budget
+from reshard_svc.plan.budget import io_threads as count_io_threads
 from reshard_svc.plan.items import Piece, Wave
 from reshard_svc.plan.read import ReadPlan, StorageCost, choose_plan, warn_if_over_budget
 from reshard_svc.runtime.comm import Comm
@@ -106,6 +107,7 @@ def load(
     storage_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
     strategy: str = "auto",
+    io_threads: int | str | None = None,
 ) -> LoadStats:
     """Load a checkpoint into ``state_dict`` in place, whatever the layouts on either side.
 
@@ -121,7 +123,10 @@ def load(
     a local page cache for replicated targets, more storage traffic). ``"auto"``
     (default) plans both and runs the cheaper under the storage's cost model
     (:class:`~reshard_svc.plan.cost.StorageCost`); off local files it keeps read-once.
+    ``io_threads`` reads this rank's local files on that many threads at once, each
+    checking the blocks it read (default: ``RESHARD_IO_THREADS``, else from the host).
     """
+    threads = count_io_threads(io_threads)  # a bad count is refused before anything
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)
     got = gather(
@@ -142,7 +147,7 @@ def load(
     wanted = {n: h.held for n, h in holdings.items()}
     plan = choose_plan(index, wanted, comm.world, budget, strategy, StorageCost.of(storage))
     dtypes = {n: m.dtype for n, m in index.tensors.items()}
-    source = StorageSource(storage, dtypes, comm.rank, index.block_tables())
+    source = StorageSource(storage, dtypes, comm.rank, index.block_tables(), io_threads=threads)
     with torch.no_grad():
         read = execute(plan, source, comm, _IntoStateDict(plan, placed), progress=progress)
         for p in placed.values():

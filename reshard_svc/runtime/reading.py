@@ -11,8 +11,10 @@ on this rank, from a local file, goes straight into the destination's view.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -191,6 +193,11 @@ class StorageSource:
     byte is used; a mismatch raises :class:`~reshard_svc.errors.ChecksumError`.
     ``check_in_place`` lets a checked read land in its destination first (``convert``
     turns it off: it writes verified memory-mapped source bytes straight to its files).
+
+    The in-place reads of a wave are this rank's reading pool: with ``io_threads`` above
+    one, each file's reads go to a thread of their own (``reshard-read``), which reads
+    them in file order and checks every block it read (neighbours in a file still share
+    their edge blocks); the first error is raised once every thread has stopped.
     """
 
     def __init__(
@@ -200,6 +207,7 @@ class StorageSource:
         rank: int,
         tables: Mapping[str, BlockTable],
         check_in_place: bool = True,
+        io_threads: int = 1,
     ) -> None:
         self.storage = storage
         self.dtypes = dtypes
@@ -207,8 +215,10 @@ class StorageSource:
         self.local = storage.local_files
         self.checked = CheckedReader(storage, tables, mapped=self.local)
         self.check_in_place = check_in_place
+        self.io_threads = max(1, io_threads)
         self._plain = 0  # bytes read from files without a block table
-        self._edge_buf: bytearray | None = None
+        self._count = threading.Lock()  # the byte counters, from the reading threads
+        self._edges = threading.local()  # each thread's edge-block buffer
 
     def dtype(self, tensor: str) -> torch.dtype:
         return self.dtypes[tensor]
@@ -236,9 +246,9 @@ class StorageSource:
                 buffered.append(r)
         # In-place reads first, in file order, so neighbours share their edge blocks; the
         # mapped reads then skip the blocks those checked.
-        for r, target in in_place:
-            out[r.id] = self._read_in_place(r, *target)
-            landed.add(target[0])
+        for rid, view in self._read_files_in_place(in_place):
+            out[rid] = view
+        landed.update(target[0] for _, target in in_place)
         by_id = {r.id: r for r in verified}
         slabs = self._cut_for_slabs(verified, pieces, dest)
         for rid, raw in (self.checked.read(verified) if verified else {}).items():
@@ -290,6 +300,27 @@ class StorageSource:
                 known[p] = crcs
         self.checked.forget_parts()
 
+    def _read_files_in_place(
+        self, reads: list[tuple[Read, tuple[Piece, torch.Tensor, list[Any]]]]
+    ) -> list[tuple[int, torch.Tensor]]:
+        """Each in-place read's id and view: one file's reads after another in file order,
+        the files spread over the reading pool's threads."""
+        by_file: dict[str, list[tuple[Read, tuple[Piece, torch.Tensor, list[Any]]]]] = {}
+        for r, target in reads:
+            by_file.setdefault(_file(r), []).append((r, target))
+
+        def one_file(group: list[tuple[Read, tuple[Piece, torch.Tensor, list[Any]]]]) -> Any:
+            return [(r.id, self._read_in_place(r, *target)) for r, target in group]
+
+        groups = list(by_file.values())
+        threads = min(self.io_threads, len(groups))
+        if threads <= 1:
+            return [x for g in groups for x in one_file(g)]
+        with ThreadPoolExecutor(threads, thread_name_prefix="reshard-read") as pool:
+            futures = [pool.submit(one_file, g) for g in groups]
+            wait(futures)  # every thread stops before an error is raised
+            return [x for f in futures for x in f.result()]
+
     def _in_place_target(
         self, r: Read, parts: Sequence[Piece], dest: Destination
     ) -> tuple[Piece, torch.Tensor, list[Any]] | None:
@@ -329,7 +360,8 @@ class StorageSource:
         if table is None:
             with self.storage.positional(file) as readv:
                 readv(r.begin, runs)
-            self._plain += r.nbytes
+            with self._count:
+                self._plain += r.nbytes
             return view
         done = self.checked.done.setdefault(file, set())
         bs = table.block_size
@@ -345,15 +377,18 @@ class StorageSource:
             if tail > r.end:
                 stream.update(self._edge(readv, r.end, tail))
         newly = stream.close()
-        self.checked.bytes_checked += newly
-        self.checked.bytes_fetched += newly  # local: each block read once, wholly
+        with self._count:
+            self.checked.bytes_checked += newly
+            self.checked.bytes_fetched += newly  # local: each block read once, wholly
         return view
 
     def _edge(self, readv: Any, begin: int, end: int) -> memoryview:
-        """Bytes ``[begin, end)`` (the rest of an edge block) in a reused buffer."""
-        if self._edge_buf is None or len(self._edge_buf) < end - begin:
-            self._edge_buf = bytearray(end - begin)
-        buf = memoryview(self._edge_buf)[: end - begin]
+        """Bytes ``[begin, end)`` (the rest of an edge block) in this thread's reused
+        buffer."""
+        edge: bytearray | None = getattr(self._edges, "buf", None)
+        if edge is None or len(edge) < end - begin:
+            edge = self._edges.buf = bytearray(end - begin)
+        buf = memoryview(edge)[: end - begin]
         readv(begin, [buf])
         return buf
 

@@ -304,3 +304,56 @@ def test_the_manager_and_async_save_take_io_threads_and_refuse_a_bad_one_first(t
     _assert_saved_whole(str(tmp_path / "async"), state)
     with pytest.raises(UsageError, match="io_threads must be a count"):
         reshard_svc.async_save(state, str(tmp_path / "async2"), io_threads=0)
+
+
+def _three_files(tmp_path, monkeypatch) -> tuple[str, dict[str, torch.Tensor]]:
+    from reshard_svc.plan import save as plan_save_module
+
+    monkeypatch.setattr(plan_save_module, "MIN_SPLIT_BYTES", 1 << 20)
+    state = _state([3 * DEFAULT_BLOCK_SIZE + 5, 2 * DEFAULT_BLOCK_SIZE + 1, DEFAULT_BLOCK_SIZE], 6)
+    root = str(tmp_path / "ckpt")
+    reshard_svc.save(state, root, io_threads=3)
+    return root, state
+
+
+@pytest.mark.parametrize("threads", [1, 2, 7])
+def test_the_reading_pool_loads_each_file_on_a_thread_of_its_own_bitwise(
+    tmp_path, monkeypatch, threads
+):
+    from reshard_svc.runtime.reading import StorageSource
+
+    root, state = _three_files(tmp_path, monkeypatch)
+    who: set[str] = set()
+    real = StorageSource._read_in_place
+
+    def spy(self, r, *target):
+        who.add(threading.current_thread().name.split("_")[0])
+        return real(self, r, *target)
+
+    monkeypatch.setattr(StorageSource, "_read_in_place", spy)
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    stats = reshard_svc.load(back, root, io_threads=threads)
+    for k, v in state.items():
+        assert torch.equal(back[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
+    assert who == ({"MainThread"} if threads == 1 else {"reshard-read"}), who
+    assert stats.bytes_read >= sum(v.numel() * v.element_size() for v in state.values())
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-read")]
+
+
+def test_a_bad_block_read_by_the_pool_names_it_and_no_reader_outlives_the_load(
+    tmp_path, monkeypatch
+):
+    root, state = _three_files(tmp_path, monkeypatch)
+    index = json.loads(open(os.path.join(root, "reshard.index.json")).read())
+    name = sorted(index["files"])[1]
+    with open(os.path.join(root, name), "r+b") as f:
+        f.seek(DEFAULT_BLOCK_SIZE + 100)
+        byte = f.read(1)
+        f.seek(DEFAULT_BLOCK_SIZE + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(reshard_svc.ChecksumError, match=rf"{name}: bytes .* \(block 1\) fail"):
+        reshard_svc.load(back, root, io_threads=3)
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-read")]
+    with pytest.raises(UsageError, match="io_threads must be a count"):
+        reshard_svc.load(back, root, io_threads=0)
