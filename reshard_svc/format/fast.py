@@ -31,6 +31,7 @@ from typing import Any
 
 from reshard_svc.errors import CheckpointError, StorageError, UsageError
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
+from reshard_svc.format.steps import STEP_PATTERN, step_name
 from reshard_svc.storage import open_storage
 from reshard_svc.storage.base import Target
 
@@ -56,12 +57,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COMMIT_RECORD = "commit.json"
-_STEP = re.compile(r"step-(\d{1,18})\.([0-9a-f]{8,32})")
+#: a fast step folder: the persistent tier's step name, then this run's token
+_STEP = re.compile(STEP_PATTERN.pattern + r"\.([0-9a-f]{8,32})")
 _PART = re.compile(r"part-(\d{5,})")
 
 
 def fast_step_name(step: int, run: str) -> str:
-    return f"step-{step:010d}.{run}"
+    return f"{step_name(step)}.{run}"
 
 
 def part_name(rank: int) -> str:
