@@ -390,8 +390,7 @@ def _reader(
             recv[ds[0]] = recv.get(ds[0], 0) + inter.numel * itemsize
         reader = least_loaded(list(recv), load, prefer=recv, turn=turn)  # type: ignore[arg-type]
         return reader, sum(1 for v in recv.values() if v == recv[reader])
-    # Parts of several replicated targets (a row-parallel band of a world-sharded source:
-    # thousands of holders): the same rule as least_loaded, over arrays of every rank.
+    # several replicated targets' parts (thousands of holders): least_loaded over arrays
     bytes_to = np.zeros(len(load), dtype=np.int64)
     holds = np.zeros(len(load), dtype=bool)
     for inter, t, ds in rparts:
@@ -399,10 +398,8 @@ def _reader(
         bytes_to[idx] += inter.numel * itemsize
         holds[idx] = True
     cand = np.flatnonzero(holds)  # sorted, as least_loaded's ties are
-    got = bytes_to[cand]
-    most = cand[got == got.max()]  # the holders receiving most of it
-    light = load[most]
-    tied = most[light == light.min()]  # then the least loaded
+    most = cand[bytes_to[cand] == bytes_to[cand].max()]  # the holders receiving most of it
+    tied = most[load[most] == load[most].min()]  # then the least loaded
     return int(tied[turn % len(tied)]), len(most)
 
 
