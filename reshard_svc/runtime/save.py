@@ -38,7 +38,7 @@ from reshard_svc.plan.save import FileSpec, SavePlan, plan_save
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.io_pool import WritePool
-from reshard_svc.runtime.staging import RingSlot, pinned_ring
+from reshard_svc.runtime.ring import RingSlot, pinned_ring
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import (
     Placed,
@@ -87,7 +87,7 @@ def _file_data(
     or a slot of the pinned ring to release once written), in file order; the CRC32C of
     each box in ``crcs`` (a replicated one) is set from the same bands on the way. Bands
     of contiguous CPU boxes are views; other CPU bands are copied one at a time; device
-    bands go through the pinned ring (:class:`~reshard_svc.runtime.staging.PinnedRing`)."""
+    bands go through the pinned ring (:class:`~reshard_svc.runtime.ring.PinnedRing`)."""
     at = len(spec.header)
     for name, box in spec.entries:
         view = placed[name].local.get(box)

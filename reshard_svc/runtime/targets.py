@@ -28,6 +28,7 @@ from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.runtime import _compat
 from reshard_svc.runtime.buffers import tensor_bytes
 from reshard_svc.runtime.comm import Comm
+from reshard_svc.runtime.ring import pinned_ring
 from reshard_svc.runtime.state_dict import Leaf, LocalShard, LocalShards
 
 __all__ = [
@@ -219,8 +220,13 @@ def box_crc(view: torch.Tensor) -> int:
     step = max(1, _BAND_BYTES // row)
     value = 0
     for i in range(0, view.shape[0], step):
-        band = view[i : i + step].to("cpu").contiguous()
-        value = int(crc32c.crc32c(tensor_bytes(band), value))
+        band = view[i : i + step]
+        if band.device.type != "cpu":  # through the pinned ring, never pageable memory
+            for data, slot in pinned_ring().pieces(band):
+                value = int(crc32c.crc32c(data, value))
+                slot.release()
+            continue
+        value = int(crc32c.crc32c(tensor_bytes(band.contiguous()), value))
     return value
 
 

@@ -155,3 +155,22 @@ def test_convert_with_more_workers_than_gpus(tmp_path):
         "cuda",
     )
     assert r.returncode == 2 and f"but {gpus} GPU(s)" in r.stderr, r.stderr
+
+
+def test_a_sync_save_moves_device_bands_through_one_pinned_ring(tmp_path):
+    """The ring is allocated once (pinned) and reused: the same slots after five saves,
+    every slot free between saves, each save bitwise."""
+    from reshard_svc.runtime.ring import pinned_ring
+
+    state = _state(4)
+    reshard_svc.save(state, str(tmp_path / "0"))
+    ring = pinned_ring()
+    slots = [s.buf.data_ptr() for s in ring.slots]
+    assert ring.pinned and all(s.buf.is_pinned() for s in ring.slots)
+    for i in range(1, 5):
+        reshard_svc.save(state, str(tmp_path / str(i)))
+        assert all(s.free.is_set() for s in ring.slots)
+    assert [s.buf.data_ptr() for s in pinned_ring().slots] == slots
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    reshard_svc.load(back, str(tmp_path / "4"))
+    assert all(_same(back[k], v) for k, v in state.items())

@@ -129,12 +129,12 @@ def test_a_real_full_tmpfs_fails_the_pooled_save_and_commits_nothing(small_tmpfs
 def through_a_small_ring(monkeypatch):
     """Every band goes through a ring of 3 slots of 1 MiB + 7 bytes (as device bands do:
     CPU bands here, in pageable slots), pieces split mid-block."""
+    from reshard_svc.runtime import ring as ring_module
     from reshard_svc.runtime import save as save_module
-    from reshard_svc.runtime import staging
 
-    ring = staging.PinnedRing(slots=3, slot_bytes=(1 << 20) + 7)
+    ring = ring_module.PinnedRing(slots=3, slot_bytes=(1 << 20) + 7)
     monkeypatch.setattr(save_module, "_through_ring", lambda band: True)
-    monkeypatch.setattr(staging, "_RING", ring)
+    monkeypatch.setattr(ring_module, "_RING", ring)
     return ring
 
 
