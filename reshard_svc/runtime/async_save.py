@@ -164,6 +164,8 @@ class AsyncSaver:
             return write_and_commit(prep, self._back, write_here)
         finally:
             stager.release()
+            if stager is not self._stager:  # one save's own (several in flight)
+                stager.close()
 
     def finish_copies(self) -> list[str]:
         """Wait for the copies of the last save (see :meth:`Stager.finish_copies`)."""
