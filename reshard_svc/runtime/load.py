@@ -129,18 +129,12 @@ def load(
     threads = count_io_threads(io_threads)  # a bad count is refused before anything
     comm = Comm(process_group)
     storage, index = open_shared(uri, comm, storage_options)
-    got = gather(
-        comm,
-        f"load({uri!r}): matching keys",
-        lambda: (
-            {
-                "load": _match(
-                    state_dict, index, uri, strict, StoredValues(index, storage, comm.rank)
-                )
-            },
-            None,
-        ),
-    )
+
+    def match() -> tuple[dict[str, Any], None]:
+        values = StoredValues(index, storage, comm.rank)
+        return {"load": _match(state_dict, index, uri, strict, values)}, None
+
+    got = gather(comm, f"load({uri!r}): matching keys", match)
     placed, holdings = got.mine["load"], got.holdings["load"]
     budget = Budget.of(max_memory, "load")
     warn_if_over_budget(index, holdings, budget)
@@ -152,13 +146,11 @@ def load(
         read = execute(plan, source, comm, _IntoStateDict(plan, placed), progress=progress)
         for p in placed.values():
             p.fill_padding()
-    planned = plan.bytes_read()[comm.rank]
-    total = sum(index.tensors[n].nbytes for n in placed)
     return LoadStats(
         bytes_read=read,
-        bytes_total=total,
+        bytes_total=sum(index.tensors[n].nbytes for n in placed),
         waves=len(plan.waves),
-        bytes_planned=planned,
+        bytes_planned=plan.bytes_read()[comm.rank],
         strategy=plan.strategy,
     )
 
