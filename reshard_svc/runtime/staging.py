@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -90,8 +89,6 @@ class Stager:
         self._pending: Callable[[], list[str]] | None = None  # copies not yet waited for
         self._torn: list[str] = []
         self._lock = threading.Lock()
-        #: seconds the last :meth:`finish_copies` waited
-        self.last_wait_s = 0.0
 
     def stage(
         self, placed: Mapping[str, Placed], *, fork: bool, overlap: bool = False
@@ -179,9 +176,7 @@ class Stager:
         with self._lock:
             pending, self._pending = self._pending, None
             if pending is not None:
-                started = time.perf_counter()
                 self._torn = pending()
-                self.last_wait_s = time.perf_counter() - started
             return list(self._torn)
 
     def close(self) -> None:
