@@ -16,10 +16,16 @@ import fsspec.config
 import httpx
 import pytest
 
-from tests.support.harness import free_port
+from tests.support.harness import free_port, start_forkserver
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_forkserver():
+    """The gloo workers' forkserver, started before any test changes the environment."""
+    start_forkserver()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 
 from reshard_svc.format.fast import fast_steps
 from tests.support import fast_jobs as jobs
-from tests.support.harness import run
+from tests.support.harness import JOBS, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -124,7 +124,6 @@ def test_kill_9_at_random_points_of_fast_saves_always_resumes_a_whole_step(tmp_p
     at a random moment; the next launch loads a whole step, bitwise, and after its first
     save each node holds at most the two newest fast steps and nothing unfinished."""
     import json
-    import multiprocessing
     import random
     import time
 
@@ -133,7 +132,7 @@ def test_kill_9_at_random_points_of_fast_saves_always_resumes_a_whole_step(tmp_p
     root, out = str(tmp_path / "root"), tmp_path / "out"
     out.mkdir()
     paths = [str(tmp_path / "node-a"), str(tmp_path / "node-b")]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = JOBS
     loaded = []
     for launch in range(11):
         proc = ctx.Process(target=_launch, args=((root, paths, [0, 1], str(out), launch),))

@@ -13,7 +13,7 @@ import pytest
 from reshard_svc.format.steps import step_name
 from reshard_svc.plan.retention import retained
 from tests.support import manager_jobs as jobs
-from tests.support.harness import run
+from tests.support.harness import JOBS, job_processes, run
 
 pytestmark = [pytest.mark.distributed]
 
@@ -39,10 +39,8 @@ def _loop(root: str, ready: str, out: multiprocessing.Queue) -> None:
 def test_sigterm_saves_the_last_step_and_the_rerun_resumes_from_it(tmp_path):
     """As torchrun forwards SIGTERM (and Slurm's ``scancel --signal=TERM`` signals the
     tasks): every worker gets it, they agree at the next step, save it, and exit 0."""
-    import psutil
-
     root, ready = str(tmp_path / "run"), str(tmp_path / "ready")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = JOBS
     out = ctx.Queue()
     launcher = ctx.Process(target=_loop, args=(root, ready, out))
     launcher.start()
@@ -52,11 +50,7 @@ def test_sigterm_saves_the_last_step_and_the_rerun_resumes_from_it(tmp_path):
     assert os.path.exists(ready), "the job never reached its first checkpoint"
     # every process of the job, as Slurm signals a step's tasks: the workers and any
     # background writer they forked (which leaves the signal to its trainer)
-    procs = [
-        p
-        for p in psutil.Process(launcher.pid).children(recursive=True)
-        if "spawn_main" in " ".join(p.cmdline())
-    ]
+    procs = job_processes(launcher.pid)
     assert len(procs) >= 2
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)
@@ -92,7 +86,7 @@ def test_kill_9_at_random_points_always_resumes_from_a_whole_committed_step(tmp_
 
     root = str(tmp_path / "run")
     rng = random.Random(7)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = JOBS
     last = 0
     for point in range(10):
         ready = str(tmp_path / f"ready{point}")

@@ -10,13 +10,12 @@ one taking each killed one's place.
 
 from __future__ import annotations
 
-import multiprocessing
 from typing import Any
 
 import pytest
 
 from tests.support import sync_workloads as w
-from tests.support.harness import free_port, run
+from tests.support.harness import JOBS, free_port, run
 
 pytestmark = pytest.mark.distributed
 
@@ -231,7 +230,7 @@ def test_a_process_killed_at_any_wave_leaves_every_survivor_on_the_last_version(
     lands bitwise. The mixed states counted over every kill point: 0."""
     points = _points()
     ports = [free_port() for _ in points]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = JOBS
     results = ctx.Queue()
     procs = {
         r: ctx.Process(target=w.kill_sweep, args=(r, points, ports, results, 0)) for r in range(4)

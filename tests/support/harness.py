@@ -3,11 +3,19 @@
 ``run(fn, world_size, *args)`` starts ``world_size`` processes with the same env torchrun
 gives (RANK, WORLD_SIZE, MASTER_ADDR, ...), initialises a gloo process group in each, calls
 ``fn(*args)`` and returns ``{rank: return value}``. ``fn`` must be a module-level function.
+
+The workers come from one forkserver per test session that has imported torch and
+reshard_svc once (``_PRELOAD``): a spawned worker spent ~3.5 s of CPU importing torch, the
+suite's largest repeated cost. Each worker is still a fresh process of its own (forked from
+that single-threaded server, never from pytest) and runs with the environment of the test
+that launched it, in its working directory, as a spawned one would (:func:`_entry` restores
+both). The kill tests start their jobs from the same server (:data:`JOBS`).
 """
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import uuid
 from collections.abc import Callable
@@ -18,10 +26,64 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from reshard_svc._process import free_port
 
-__all__ = ["free_port", "run"]
+__all__ = ["JOBS", "free_port", "job_processes", "run", "start_forkserver"]
+
+#: Imported once by the forkserver, before it forks any worker.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "numpy",
+    "reshard_svc",
+    "reshard_svc.sessions",
+    "tests.support.harness",
+]
+multiprocessing.set_forkserver_preload(_PRELOAD)
+
+#: Where a test starts a whole job (a process that calls :func:`run`, to be killed).
+JOBS = multiprocessing.get_context("forkserver")
 
 
-def _entry(fn: Callable[..., Any], *args: Any) -> Any:
+def start_forkserver() -> None:
+    """Start the forkserver now (the session's start): it keeps the environment it started
+    with, so it must not start inside a test that changed it."""
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+#: The variables torch's elastic agent sets for each worker (the rest is the launcher's env).
+_LAUNCHER_KEYS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
+
+
+def _launcher_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k in _LAUNCHER_KEYS or k.startswith("TORCHELASTIC_")}
+
+
+def _entry(test_env: dict[str, str], cwd: str, fn: Callable[..., Any], *args: Any) -> Any:
+    # A forked worker holds the forkserver's environment and directory: give it the test's,
+    # as spawn did, with the agent's per-worker variables on top.
+    own = _launcher_env(dict(os.environ))
+    os.environ.clear()
+    os.environ.update(test_env)
+    os.environ.update(own)
+    os.chdir(cwd)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo")
     try:
@@ -47,6 +109,19 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
         rdzv_configs={"timeout": 120},
         max_restarts=0,
         monitor_interval=0.05,
-        start_method="spawn",
+        start_method="forkserver",
     )
-    return elastic_launch(config, _entry)(fn, *args)
+    test_env = {k: v for k, v in os.environ.items() if k not in _launcher_env(dict(os.environ))}
+    return elastic_launch(config, _entry)(test_env, os.getcwd(), fn, *args)
+
+
+def job_processes(launcher_pid: int) -> list[Any]:
+    """Every process of the job that process ``launcher_pid`` started with :func:`run`: its
+    workers and whatever they forked (background writers), as Slurm's signal reaches a
+    step's tasks. Not the agent, nor the forkserver the workers came from."""
+    import psutil
+
+    servers = [
+        p for p in psutil.Process(launcher_pid).children() if "forkserver" in " ".join(p.cmdline())
+    ]
+    return [q for server in servers for q in server.children(recursive=True)]
