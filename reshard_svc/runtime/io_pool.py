@@ -9,7 +9,7 @@ the file's checksum-block bounds; a task sums each block piece (CRC32C) and writ
 its own lanes (a file per lane when there are as many files as threads: writers of one
 file would share its lock). :meth:`PooledFile.close` builds the file's block CRC32Cs from
 the parts in file order (a block two ranges share is combined, never summed twice); the
-storage makes each file durable when its block is left (``fsync``).
+storage makes each file durable as it is closed, the files at once on their lanes (``fsync``).
 
 Who owns what: a range's bytes are the pool's from ``put`` until its tasks are done
 (``keep`` holds what they point into); at most ``max_bytes`` are queued, then ``put`` waits
@@ -61,20 +61,27 @@ class WritePool:
     ) -> Iterator[list[PooledFile]]:
         """New files ((name, size) each) to fill with :meth:`PooledFile.put`, all open at
         once, each on its share of the lanes; call :meth:`PooledFile.close` on each inside
-        the block."""
+        the block. Leaving the block closes them on their lanes at once (where the storage
+        syncs files, that is each file's ``fsync``)."""
         n, t = len(specs), len(self.lanes)
-        with contextlib.ExitStack() as stack:
-            try:
-                out = []
-                for i, (name, size) in enumerate(specs):
-                    pwrite = stack.enter_context(storage.positional_writer(name, size))
-                    k = max(1, t // n) if n else 1
-                    lanes = self.lanes[i * k : (i + 1) * k] if n < t else [self.lanes[i % t]]
-                    out.append(PooledFile(self, lanes, pwrite, name, size, checksum, block_size))
-                yield out
-            except BaseException:
-                self.drain(quiet=True)  # before any file closes
-                raise
+        writers: list[contextlib.AbstractContextManager[Any]] = []
+        out: list[PooledFile] = []
+        try:
+            for i, (name, size) in enumerate(specs):
+                writer = storage.positional_writer(name, size)
+                pwrite = writer.__enter__()
+                writers.append(writer)
+                k = max(1, t // n) if n else 1
+                lanes = self.lanes[i * k : (i + 1) * k] if n < t else [self.lanes[i % t]]
+                out.append(PooledFile(self, lanes, pwrite, name, size, checksum, block_size))
+            yield out
+        except BaseException as e:
+            self.drain(quiet=True)  # before any file closes
+            for writer in reversed(writers):  # closed unsynced: abandoned with their folder
+                with contextlib.suppress(BaseException):
+                    writer.__exit__(type(e), e, e.__traceback__)
+            raise
+        _settle([f.lanes[0].submit(w.__exit__, None, None, None) for f, w in zip(out, writers)])
 
     def submit(
         self, lane: ThreadPoolExecutor, nbytes: int, fn: Callable[..., Parts], *args: Any
@@ -112,6 +119,14 @@ class WritePool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _settle(tasks: list[Future[Any]]) -> None:
+    """Wait for every task; then the first error, if any, is raised."""
+    errors = [task.exception() for task in tasks]
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def _when_all_done(tasks: list[Future[Parts]], done: Callable[[], None]) -> None:

@@ -255,6 +255,49 @@ def test_a_ranks_boxes_spread_over_one_file_per_thread_verify_and_load(tmp_path,
     _assert_saved_whole(root, state)
 
 
+def _fsyncs_on_lanes(monkeypatch, fail: bool = False) -> list[tuple[int, int]]:
+    """Record (thread id, files in fsync at once) for every fsync of an open data file; the
+    fsyncs wait for each other a moment, so fsyncs run at once are counted as such."""
+    import time
+
+    from reshard_svc.storage import local
+
+    real, seen, lock, inside = os.fsync, [], threading.Lock(), [0]
+
+    def fsync(fd: int) -> None:
+        if not threading.current_thread().name.startswith("reshard-io"):
+            return real(fd)  # the index and the folders, from the saver
+        with lock:
+            inside[0] += 1
+            seen.append((threading.get_ident(), inside[0]))
+        time.sleep(0.2)
+        with lock:
+            inside[0] -= 1
+        if fail:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    monkeypatch.setenv("RESHARD_SYNC_FILES", "1")
+    return seen
+
+
+def test_each_file_is_fsynced_on_its_own_lane_and_the_files_at_once(tmp_path, monkeypatch):
+    seen = _fsyncs_on_lanes(monkeypatch)
+    root, state = _three_files(tmp_path, monkeypatch)
+    assert len(seen) == 3 and len({lane for lane, _ in seen}) == 3, seen
+    assert max(at_once for _, at_once in seen) >= 2, seen
+    _assert_saved_whole(root, state)
+
+
+def test_a_failed_fsync_on_a_lane_fails_the_save_and_commits_nothing(tmp_path, monkeypatch):
+    _fsyncs_on_lanes(monkeypatch, fail=True)
+    with pytest.raises(StorageError, match="Input/output error"):
+        _three_files(tmp_path, monkeypatch)
+    assert not (tmp_path / "ckpt" / "reshard.index.json").exists()
+    assert _io_threads_alive() == []
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
