@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any
 
 from reshard_svc.errors import CheckpointError, StorageError, UsageError
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
-from reshard_svc.format.steps import STEP_PATTERN, step_name
+from reshard_svc.format.steps import STEP_PATTERN, StepInfo, step_name
 from reshard_svc.storage import open_storage
 from reshard_svc.storage.base import Target
 
@@ -88,6 +89,19 @@ class FastStep:
     @property
     def name(self) -> str:
         return os.path.basename(self.folder)
+
+    def info(self, sizes: bool = True) -> StepInfo:
+        """This step as ``reshard steps`` lists it (the fast tier keeps its newest two
+        itself: no policy)."""
+        now = time.time()
+        return StepInfo(
+            step=self.step,
+            name=self.name,
+            committed=self.committed,
+            bytes=self.nbytes() if sizes else 0,
+            age_s=max(0.0, now - float(self.record.get("time", now))) if self.record else None,
+            tier="fast",
+        )
 
     def nbytes(self) -> int:
         """Bytes of the folder's files (its parts, their copies and the record)."""

@@ -30,7 +30,14 @@ from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.storage import open_storage
 from reshard_svc.storage.base import Target
 
-__all__ = ["RETIRING", "STEP_PATTERN", "StepFolder", "StepFolders", "parse_step", "step_name"]
+__all__ = [
+    "RETIRING",
+    "STEP_PATTERN",
+    "StepFolders",
+    "StepInfo",
+    "parse_step",
+    "step_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +60,36 @@ def parse_step(name: str) -> int | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepFolder:
-    """One step folder as storage shows it: committed (its index exists) or partial, its
-    bytes, seconds since its last change (when the store says), and whether a retirement
-    of it was interrupted (the next retention finishes it)."""
+class StepInfo:
+    """One step folder, of either tier: committed (its index, or the fast tier's commit
+    record, exists) or partial. The one record the manager, the fast tier and
+    ``reshard steps`` list."""
 
     step: int
     name: str
     committed: bool
     bytes: int
+    #: seconds since its last change (the index, or the newest file), when the store says
     age_s: float | None
-    retiring: bool
+    #: a retirement of it was interrupted (the next retention finishes it)
+    retiring: bool = False
+    #: what the retention policy does with it: ``keep``, ``delete`` (also a partial step
+    #: whose retirement was interrupted), or None (not asked, partial, or the fast tier's,
+    #: which keeps its newest two itself)
+    policy: str | None = None
+    #: ``persistent`` (under the root) or ``fast`` (in a node's fast path)
+    tier: str = "persistent"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "name": self.name,
+            "committed": self.committed,
+            "bytes": self.bytes,
+            "age_s": self.age_s,
+            "policy": self.policy,
+            "tier": self.tier,
+        }
 
 
 class StepFolders:
@@ -95,7 +121,7 @@ class StepFolders:
             s for s, name in sorted(self.folders().items()) if self._open(name).exists(INDEX_NAME)
         ]
 
-    def listing(self, *, sizes: bool = True) -> list[StepFolder]:
+    def listing(self, *, sizes: bool = True) -> list[StepInfo]:
         """Every step folder, oldest first (read-only)."""
         rows = []
         now = time.time()
@@ -110,7 +136,7 @@ class StepFolders:
                 age = None if modified is None else max(0.0, now - modified)
             retiring = RETIRING in files if sizes else storage.exists(RETIRING)
             rows.append(
-                StepFolder(
+                StepInfo(
                     step=step,
                     name=name,
                     committed=committed,

@@ -7,45 +7,15 @@ holds. Nothing is deleted here; :class:`~reshard_svc.CheckpointManager` retires 
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from reshard_svc.format.fast import fast_steps
-from reshard_svc.format.steps import StepFolders
+from reshard_svc.format.steps import StepFolders, StepInfo
 from reshard_svc.plan.retention import check_policy, retained
 
 __all__ = ["StepInfo", "list_steps"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepInfo:
-    """One step folder under a root: committed (its index exists) or partial."""
-
-    step: int
-    name: str
-    committed: bool
-    bytes: int
-    #: seconds since its last change (the index, or the newest file), when the store says
-    age_s: float | None
-    #: what the retention policy does with it: ``keep``, ``delete`` (also a partial step
-    #: whose retirement was interrupted: the next retention finishes it), or None (partial,
-    #: or the fast tier's, which keeps its newest two itself)
-    policy: str | None
-    #: ``persistent`` (under the root) or ``fast`` (in a node's fast path)
-    tier: str = "persistent"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "name": self.name,
-            "committed": self.committed,
-            "bytes": self.bytes,
-            "age_s": self.age_s,
-            "policy": self.policy,
-            "tier": self.tier,
-        }
 
 
 def list_steps(
@@ -63,26 +33,10 @@ def list_steps(
     check_policy(keep_last, keep_every)
     rows = StepFolders(root, storage_options).listing(sizes=sizes)
     keep = retained([r.step for r in rows if r.committed], keep_last, keep_every)
-    now = time.time()
-    fast_rows = [
-        StepInfo(
-            step=s.step,
-            name=s.name,
-            committed=s.committed,
-            bytes=s.nbytes() if sizes else 0,
-            age_s=max(0.0, now - float(s.record.get("time", now))) if s.record else None,
-            policy=None,
-            tier="fast",
-        )
-        for s in (fast_steps(fast) if fast is not None else [])
-    ]
+    fast_rows = [s.info(sizes) for s in (fast_steps(fast) if fast is not None else [])]
     persistent = [
-        StepInfo(
-            step=r.step,
-            name=r.name,
-            committed=r.committed,
-            bytes=r.bytes,
-            age_s=r.age_s,
+        dataclasses.replace(
+            r,
             policy=(
                 ("keep" if r.step in keep else "delete")
                 if r.committed
