@@ -243,6 +243,7 @@ def convert_stage(src: str, dst: str, kwargs: dict) -> dict:
     """One conversion by every worker of the launched group."""
     import reshard_svc
 
+    _map_libraries()
     _reset_peak()
     before = _rss_mb()
     res = reshard_svc.convert(src, dst, **kwargs)
@@ -255,6 +256,27 @@ def convert_stage(src: str, dst: str, kwargs: dict) -> dict:
         "rss_before_mb": before,
         "peak_rss_mb": peak,
     }
+
+
+def _map_libraries() -> None:
+    """Map every page of the files this process has mapped (torch's libraries, ...) into
+    it now, so that the growth measured next is the conversion's memory. A worker forked
+    from the preloaded forkserver shares those pages with it but has not mapped them yet:
+    the code a conversion runs would otherwise count as its growth (tens of MB), where a
+    spawned worker had mapped much of it while importing."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    populate_read = 22  # MADV_POPULATE_READ (Linux 5.14): page tables filled, read-only
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 6 or not fields[5].startswith("/") or "r" not in fields[1]:
+                continue  # anonymous, [heap], [stack], [vdso], or unreadable
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            libc.madvise(lo, hi - lo, populate_read)  # an error leaves it as it was
 
 
 def _reset_peak() -> None:
