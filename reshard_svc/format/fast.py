@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import posixpath
 import re
-import shutil
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard_svc.errors import CheckpointError, StorageError, UsageError
+from reshard_svc.errors import CheckpointError, ReshardError, StorageError, UsageError
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
 from reshard_svc.format.steps import STEP_PATTERN, StepInfo, step_name
 from reshard_svc.storage import open_storage
@@ -88,7 +87,7 @@ class FastStep:
 
     @property
     def name(self) -> str:
-        return os.path.basename(self.folder)
+        return posixpath.basename(self.folder)
 
     def info(self, sizes: bool = True) -> StepInfo:
         """This step as ``reshard steps`` lists it (the fast tier keeps its newest two
@@ -104,15 +103,12 @@ class FastStep:
         )
 
     def nbytes(self) -> int:
-        """Bytes of the folder's files (its parts, their copies and the record)."""
-        total = 0
-        for dirpath, _, files in os.walk(self.folder):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, f))
-                except OSError:
-                    pass  # removed meanwhile
-        return total
+        """Bytes of the folder's files (the record, its parts and their copies)."""
+        try:
+            folders = [self.folder, *self.parts.values()]
+            return sum(sum(_storage(f).sizes().values()) for f in folders)
+        except ReshardError:
+            return 0  # removed meanwhile
 
 
 def local_root(path: str) -> str:
@@ -124,39 +120,35 @@ def local_root(path: str) -> str:
             f"FastTier path {path!r} must be a local folder on each node (tmpfs such as "
             "/dev/shm/...), not a remote store: the persistent root is the remote tier"
         )
-    return os.path.abspath(path.removeprefix("file://"))
+    return _storage(path).root
 
 
 def fast_steps(path: str) -> list[FastStep]:
     """Every fast step folder under ``path``, oldest first (unreadable records count as
     unfinished)."""
     root = local_root(path)
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
     out = []
-    for name in names:
+    for name in _storage(root).listdir():
         m = _STEP.fullmatch(name)
         if m is None:
             continue
-        folder = os.path.join(root, name)
-        record = None
+        folder = posixpath.join(root, name)
+        step = _storage(folder)
         try:
-            with open(os.path.join(folder, COMMIT_RECORD), "rb") as f:
-                loaded = json.loads(f.read())
+            loaded = json.loads(step.read(COMMIT_RECORD))
             record = loaded if isinstance(loaded, dict) else None
-        except (OSError, ValueError):
+        except (ReshardError, ValueError):
             record = None
         parts = {}
         try:
-            entries = os.listdir(folder)
-        except OSError:
+            entries = step.listdir()
+        except ReshardError:
             entries = []
         for entry in entries:
             p = _PART.fullmatch(entry)
-            if p is not None and os.path.exists(os.path.join(folder, entry, INDEX_NAME)):
-                parts[int(p.group(1))] = os.path.join(folder, entry)
+            part = posixpath.join(folder, entry)
+            if p is not None and _storage(part).exists(INDEX_NAME):
+                parts[int(p.group(1))] = part
         out.append(
             FastStep(
                 step=int(m.group(1)), run=m.group(2), folder=folder, record=record, parts=parts
@@ -167,18 +159,21 @@ def fast_steps(path: str) -> list[FastStep]:
 
 def make_step_folder(path: str, step: int, run: str) -> str:
     """Run ``run``'s folder for fast step ``step`` under ``path``, made."""
-    folder = os.path.join(local_root(path), fast_step_name(step, run))
-    os.makedirs(folder, exist_ok=True)
+    folder = posixpath.join(local_root(path), fast_step_name(step, run))
+    _storage(folder).make_folder()
     return folder
 
 
 def part_folder(step_folder: str, rank: int) -> str:
-    return os.path.join(step_folder, part_name(rank))
+    return posixpath.join(step_folder, part_name(rank))
 
 
 def remove_part(step_folder: str, rank: int) -> None:
     """Remove rank ``rank``'s part of an unfinished fast step (a save of it runs again)."""
-    shutil.rmtree(part_folder(step_folder, rank), ignore_errors=True)
+    try:
+        _storage(part_folder(step_folder, rank)).remove_tree()
+    except ReshardError as e:
+        logger.warning("could not remove rank %d's part under %s: %s", rank, step_folder, e)
 
 
 def pack_part(step_folder: str, rank: int) -> bytearray:
@@ -186,17 +181,21 @@ def pack_part(step_folder: str, rank: int) -> bytearray:
     files, the index last (read once, straight into the message)."""
     folder = part_folder(step_folder, rank)
     index = read_part(folder)
+    storage = _storage(folder)
     names = [*sorted(index.files), INDEX_NAME]
-    sizes = [os.path.getsize(os.path.join(folder, n)) for n in names]
+    listed = storage.sizes()
+    sizes = [listed.get(n, -1) for n in names]
+    if -1 in sizes:
+        raise CheckpointError(f"{folder}: {names[sizes.index(-1)]} is gone")
     manifest = json.dumps([[n, s] for n, s in zip(names, sizes)]).encode()
     head = len(manifest).to_bytes(8, "big") + manifest
     out = bytearray(len(head) + sum(sizes))
     out[: len(head)] = head
     view, at = memoryview(out), len(head)
     for n, size in zip(names, sizes):
-        with open(os.path.join(folder, n), "rb") as f:
-            if f.readinto(view[at : at + size]) != size:
-                raise CheckpointError(f"{n} changed while it was being sent")
+        if size:
+            with storage.positional(n) as readv:  # read once, straight into the message
+                readv(0, [view[at : at + size]])
         at += size
     return out
 
@@ -236,7 +235,7 @@ def unpack_part(step_folder: str, rank: int, blob: memoryview) -> None:
 def check_part(folder: str) -> CheckpointIndex:
     """Every block of a part's files against its index (sizes too); its index."""
     index = read_part(folder)
-    storage = open_storage(folder, {"sync_files": False})
+    storage = _storage(folder)
     for name, meta in index.files.items():
         if meta.blocks is None:
             raise CheckpointError(f"{name} has no block CRC32Cs")
@@ -250,36 +249,39 @@ def check_part(folder: str) -> CheckpointIndex:
 
 def part_target(step_folder: str, rank: int) -> Target:
     """Where origin rank ``rank``'s part of a fast step is published."""
-    return open_storage(os.path.join(step_folder, part_name(rank)), {"sync_files": False})
+    return _storage(part_folder(step_folder, rank))
 
 
 def read_part(folder: str) -> CheckpointIndex:
     """A part's index (it covers only the boxes its rank held)."""
-    storage = open_storage(folder, {"sync_files": False})
-    return CheckpointIndex.loads(storage.read(INDEX_NAME), f"{folder}/{INDEX_NAME}")
+    return CheckpointIndex.loads(_storage(folder).read(INDEX_NAME), f"{folder}/{INDEX_NAME}")
 
 
 def write_commit(step_folder: str, record: Mapping[str, Any]) -> None:
     """The step counts on this node (every rank of a node may write the same record)."""
-    tmp = os.path.join(step_folder, f".{COMMIT_RECORD}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            json.dump(dict(record), f)
-        os.replace(tmp, os.path.join(step_folder, COMMIT_RECORD))
-    except OSError as e:
+        _storage(step_folder).replace(COMMIT_RECORD, json.dumps(dict(record)).encode())
+    except ReshardError as e:
         raise StorageError(f"could not write the fast step's record in {step_folder}: {e}") from e
 
 
 def remove_fast_step(step: FastStep) -> None:
     """Remove a fast step folder of ours (named by :func:`fast_step_name`): its record
     first, so nobody reads a step being removed."""
-    if _STEP.fullmatch(os.path.basename(step.folder)) is None:  # pragma: no cover
+    if _STEP.fullmatch(posixpath.basename(step.folder)) is None:  # pragma: no cover
         raise CheckpointError(f"{step.folder} is not a fast step folder")
+    folder = _storage(step.folder)
     try:
-        os.remove(os.path.join(step.folder, COMMIT_RECORD))
-    except FileNotFoundError:
-        pass
-    except OSError as e:
+        folder.remove(COMMIT_RECORD)
+    except ReshardError as e:
         logger.warning("could not remove %s: %s", step.folder, e)
         return
-    shutil.rmtree(step.folder, ignore_errors=True)
+    try:
+        folder.remove_tree()
+    except ReshardError as e:
+        logger.warning("could not remove all of %s: %s", step.folder, e)
+
+
+def _storage(folder: str) -> Target:
+    """A folder of the fast path (node memory: nothing of it is fsynced)."""
+    return open_storage(folder, {"sync_files": False})

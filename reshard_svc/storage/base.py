@@ -124,7 +124,17 @@ class Storage(Protocol):
 
     def write(self, name: str, data: bytes) -> None: ...
 
+    def replace(self, name: str, data: bytes) -> None:
+        """Write ``name`` in one step: a reader sees the file as it was or as ``data``,
+        never a part of it (locally a rename over it; an object store's one ``PUT``)."""
+        ...
+
     def remove(self, name: str) -> None: ...
+
+    def remove_tree(self) -> None:
+        """Remove this folder and everything under it (a folder of our own making that
+        nobody reads any more, such as a fast step); no error when it is gone."""
+        ...
 
 
 @dataclass(kw_only=True)

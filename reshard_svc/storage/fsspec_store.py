@@ -206,10 +206,20 @@ class FsspecStorage:
         with translate_errors("write", self.path(name)):
             self.fs.pipe_file(self.path(name), data)
 
+    def replace(self, name: str, data: bytes) -> None:
+        self.write(name, data)  # one PUT: an object store shows the old object or the new
+
     def remove(self, name: str) -> None:
         with translate_errors("remove", self.path(name)):
             try:
                 self.fs.rm_file(self.path(name))
+            except FileNotFoundError:
+                pass
+
+    def remove_tree(self) -> None:
+        with translate_errors("remove", self.root):
+            try:
+                self.fs.rm(self.root, recursive=True)
             except FileNotFoundError:
                 pass
 

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import IO, Any
 
@@ -259,6 +260,26 @@ class LocalStorage(LocalLease, FsspecStorage):
                 f.flush()
                 if self.sync_files:
                     os.fsync(f.fileno())
+
+    def replace(self, name: str, data: bytes) -> None:
+        """Written beside, then renamed over ``name`` (each writer its own temporary)."""
+        path = self.path(name)
+        tmp = self.path(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with translate_errors("write", path):
+            os.makedirs(self.root, exist_ok=True)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    if self.sync_files:
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
+        if self.sync_files:
+            _fsync_dir(self.root)
 
     # ---- commit protocol (Committer)
 

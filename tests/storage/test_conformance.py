@@ -118,6 +118,43 @@ def test_missing_folder_is_not_a_checkpoint(root):
         reshard_svc.inspect(f"{root}/nothing-here")
 
 
+def test_replace_writes_a_file_in_one_step_and_leaves_nothing_beside(root):
+    storage = open_storage(f"{root}/ck")
+    storage.replace("record.json", b'{"step": 1}')
+    storage.replace("record.json", b'{"step": 2, "more": "bytes"}')
+    assert storage.read("record.json") == b'{"step": 2, "more": "bytes"}'
+    assert storage.listdir() == ["record.json"]  # no temporary left beside it
+
+
+def test_replace_that_fails_keeps_the_old_file_whole(root, monkeypatch):
+    storage = open_storage(f"{root}/ck")
+    storage.replace("record.json", b'{"step": 1}')
+    if not root.startswith("/"):
+        pytest.skip("an object store's PUT is the one step")
+    import os
+
+    def no_rename(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    with pytest.raises(StorageError, match="No space left"):
+        storage.replace("record.json", b'{"step": 2}')
+    assert storage.read("record.json") == b'{"step": 1}'
+    assert storage.listdir() == ["record.json"]
+
+
+def test_remove_tree_removes_a_folder_and_all_under_it(root):
+    storage = open_storage(f"{root}/tree")
+    storage.write("a.json", b"1")
+    inner = open_storage(f"{root}/tree/part-00001")
+    inner.write("b.safetensors", b"22")
+    open_storage(f"{root}/beside").write("c", b"3")
+    storage.remove_tree()
+    assert storage.listdir() == [] and inner.listdir() == []
+    assert open_storage(f"{root}/beside").read("c") == b"3"  # only the folder named
+    storage.remove_tree()  # gone already: no error
+
+
 def test_every_backend_satisfies_the_three_protocols(root):
     from reshard_svc.storage import Committer, LeaseStore, Storage
 

@@ -312,10 +312,13 @@ def test_the_sessions_use_no_private_name_of_another_module():
 
 
 def test_the_sessions_reach_storage_only_through_its_protocols():
-    """No ``os`` or ``shutil`` call and no fsspec filesystem (``.fs``) in ``sessions/``:
-    step folders are :mod:`reshard_svc.format.steps`'s, bytes the storage protocols'."""
+    """No ``os`` or ``shutil`` call and no fsspec filesystem (``.fs``) in ``sessions/``
+    nor in the step folders of either tier (``format/steps.py``, ``format/fast.py``): they are
+    :mod:`reshard_svc.format.steps`'s and :mod:`reshard_svc.format.fast`'s, bytes the
+    storage protocols'."""
     wrong = []
-    for path in sorted((ROOT / "sessions").rglob("*.py")):
+    steps = [ROOT / "format" / "steps.py", ROOT / "format" / "fast.py"]
+    for path in [*sorted((ROOT / "sessions").rglob("*.py")), *steps]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
