@@ -15,6 +15,7 @@ import reshard_svc
 from reshard_svc import CheckpointManager, SaveFailedError, TargetBusyError
 from reshard_svc.format.steps import step_name
 from reshard_svc.plan.retention import retained
+from reshard_svc.sessions.steps import list_steps
 from tests.support.processes import dead_pid
 
 
@@ -246,6 +247,11 @@ def test_readme_steps_commands(tmp_path):
     assert "fast" in outs[2]  # the fast tier's newest two steps, beside the root's
     assert outs[2].count("fast") >= 2 and "250" in outs[2]
     assert sorted(os.listdir(root)) == [step_name(s) for s in (100, 150, 200, 250, 300)]
+    fast_rows = [r for r in list_steps(str(root), fast=str(fast)) if r.tier == "fast"]
+    assert len(fast_rows) == 2 and all(r.committed and r.policy is None for r in fast_rows)
+    for r in fast_rows:  # every file of the step: its record, its part and their index
+        on_disk = sum(f.stat().st_size for f in (fast / r.name).rglob("*") if f.is_file())
+        assert r.bytes == on_disk > 0, (r, on_disk)
 
 
 def _dead_save_lease(path) -> None:
@@ -320,7 +326,6 @@ def test_a_retirement_killed_midway_is_finished_by_the_next(tmp_path, monkeypatc
     """Retention removes a step's index, then the files it lists. Killed after any of its
     removals, the next save's retention finishes it from the retirement record, and a file
     that is not the checkpoint's stays with its folder."""
-    from reshard_svc.sessions.steps import list_steps
     from reshard_svc.storage.local import LocalStorage
 
     root = tmp_path / "run"
