@@ -25,7 +25,7 @@ Who owns what: each process group is driven by one thread (the caller's group by
 caller's thread; the saver's group by its background thread, one save after another).
 The staging buffers (:class:`~reshard_svc.runtime.staging.Stager`) are the background
 save's from staging until that save has finished (committed or failed), then the
-stager's again. A forked writer's copy-on-write view is the child's until the
+stager's again (shared with a manager's fast tier: once both have written the step). A forked writer's copy-on-write view is the child's until the
 background thread has collected it.
 """
 
@@ -48,7 +48,7 @@ from reshard_svc.format.index import CheckpointIndex
 from reshard_svc.plan.budget import io_threads as count_io_threads
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import PreparedSave, prepare_save, write_and_commit, write_files
-from reshard_svc.runtime.staging import Stager, can_fork
+from reshard_svc.runtime.staging import Staged, Stager, can_fork
 from reshard_svc.runtime.targets import replica_crcs
 from reshard_svc.storage import open_storage
 
@@ -62,13 +62,17 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class AsyncSaver:
-    """Background saves for one process group. Create it on every rank (collective)."""
+    """Background saves for one process group. Create it on every rank (collective).
+
+    ``stager``: staging shared with another writer (a manager's fast tier); by default the
+    saver's own."""
 
     def __init__(
         self,
         process_group: Any = None,
         max_in_flight: int = 1,
         io_threads: int | str | None = None,
+        stager: Stager | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise UsageError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
@@ -86,7 +90,8 @@ class AsyncSaver:
         # one thread: saves in flight finish (and commit) one after another, in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-async-save")
         self._inflight: deque[Future[CheckpointIndex]] = deque()
-        self._stager = Stager("the async save")  # reused while one save is in flight
+        self._own_stager = stager is None
+        self._stager = stager if stager is not None else Stager("the async save")
         self._lock = threading.Lock()
 
     def save(
@@ -99,12 +104,14 @@ class AsyncSaver:
         overwrite: bool = False,
         check_replicas: bool = True,
         overlap: bool = False,
+        share: object = None,
     ) -> Future[CheckpointIndex]:
         """Stage ``state_dict`` and return a future of the committed index (arguments as
         :func:`reshard_svc.save`). With ``overlap`` it returns once the copies are queued
         (see :mod:`reshard_svc.runtime.staging`): call :meth:`finish_copies` before the
         tensors change in place, or the save fails with
-        :class:`~reshard_svc.errors.TornSnapshotError`."""
+        :class:`~reshard_svc.errors.TornSnapshotError`. ``share``: the stage of another
+        writer of the same state under this key is held, not copied again."""
         algorithm = check_algorithm(checksum)
         while len(self._inflight) >= self.max_in_flight:
             done = self._inflight.popleft()
@@ -132,10 +139,11 @@ class AsyncSaver:
         for name, placed in prep.placed.items():
             for box in [b for b in placed.local if (name, b) not in keep]:
                 del placed.local[box]  # another rank writes it; nothing to keep
-        stager = self._stager if self.max_in_flight == 1 else Stager("the async save")
-        prep.placed = stager.stage(prep.placed, fork=use_fork, overlap=overlap)
+        # a stage made while an earlier save still holds its buffers gets its own
+        staged = self._stager.stage(prep.placed, fork=use_fork, overlap=overlap, share=share)
+        prep.placed = staged.placed
         written = self._fork_writer(prep, comm.rank) if use_fork else None
-        future = self._pool.submit(self._write, prep, written, stager)
+        future = self._pool.submit(self._write, prep, written, staged)
         self._inflight.append(future)
         return future
 
@@ -143,18 +151,18 @@ class AsyncSaver:
         self,
         prep: PreparedSave,
         written: Callable[[], dict[str, Any]] | None,
-        stager: Stager,
+        staged: Staged,
     ) -> CheckpointIndex:
         """The background thread: once the copies are done and whole, write (or collect
         the forked writer), agree, commit; then the staging buffers are the stager's
         again."""
 
         def write_here() -> dict[str, Any]:
-            torn = stager.finish_copies()
+            torn = staged.finish_copies()
             if torn:
                 raise TornSnapshotError(
                     f"{', '.join(repr(t) for t in torn[:5])} changed in place before "
-                    f"{stager.what}'s copy finished: nothing of {prep.uri} was written "
+                    f"{self._stager.what}'s copy finished: nothing of {prep.uri} was written "
                     "(wait for the copies before optimizer.step)",
                     torn,
                 )
@@ -163,9 +171,7 @@ class AsyncSaver:
         try:
             return write_and_commit(prep, self._back, write_here)
         finally:
-            stager.release()
-            if stager is not self._stager:  # one save's own (several in flight)
-                stager.close()
+            staged.release()
 
     def finish_copies(self) -> list[str]:
         """Wait for the copies of the last save (see :meth:`Stager.finish_copies`)."""
@@ -196,7 +202,8 @@ class AsyncSaver:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-            self._stager.close()
+            if self._own_stager:
+                self._stager.close()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None

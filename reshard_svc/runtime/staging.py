@@ -24,12 +24,16 @@ and the end of their copies, and the writer then fails the save with
 count, with one warning). Where the copies end inside ``stage`` (the default) or a forked
 child is the snapshot, nothing can change in between.
 
-Who owns what: the buffers are the background writer's from :meth:`Stager.stage` until it
-has finished with them and calls :meth:`Stager.release` (poisoned under
-``RESHARD_DEBUG_BUFFERS=1``); the next :meth:`Stager.stage` reclaims them (a write in
-between raises :class:`~reshard_svc.errors.BufferReuseError` naming the buffer). One
-stage is in flight per stager at a time; its copies are the side stream's or the side
-thread's until :meth:`Stager.finish_copies` returns.
+Who owns what: a stage's buffers are its writers' from :meth:`Stager.stage` until the
+last of them calls :meth:`Staged.release` (poisoned then under
+``RESHARD_DEBUG_BUFFERS=1``); the next stage reclaims them (a write in between raises
+:class:`~reshard_svc.errors.BufferReuseError` naming the buffer). A stage made while the
+previous one is still held gets buffers of its own, so a writer never sees its bytes
+change. A manager's two tiers share one stager: a step due on both is staged once (the
+second tier's :meth:`Stager.stage` with the same ``share`` key holds the same buffers),
+and its buffers go back when both tiers have written it. A stage's copies are the side
+stream's or the side thread's until its :meth:`Staged.finish_copies` returns; the copies
+of one stage end before the next stage's start.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from reshard_svc.layout import Box
 from reshard_svc.runtime.buffers import reclaim, release
 from reshard_svc.runtime.targets import Placed
 
-__all__ = ["Stager", "can_fork"]
+__all__ = ["Staged", "Stager", "can_fork"]
 
 
 def _copy_then(
@@ -74,31 +78,86 @@ def can_fork(views: Iterable[torch.Tensor]) -> bool:
     )
 
 
-class Stager:
-    """Staging buffers for one background writer, reused from one stage to the next.
+class _Set:
+    """One set of staging buffers and the writers holding it."""
 
-    ``what`` names the writer in errors and warnings ("the async save", "the fast tier").
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        self.sources: dict[tuple[str, Box], tuple[int, int, tuple[int, ...]]] = {}
+        self.key: object = None  # the stage it holds (``share``)
+        self.holders = 0
+        self.pending: Callable[[], list[str]] | None = None  # copies not yet waited for
+        self.torn: list[str] = []
+        self.lock = threading.Lock()
+
+    def finish(self) -> list[str]:
+        with self.lock:
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                self.torn = pending()
+            return list(self.torn)
+
+
+class Staged:
+    """One writer's hold on a stage: its tensors (:attr:`placed`), a wait for their
+    copies, and the release that gives the buffers back once this writer is done."""
+
+    def __init__(self, stager: Stager, held: _Set, placed: dict[str, Placed]) -> None:
+        self.placed = placed
+        self._stager = stager
+        self._set: _Set | None = held
+
+    def finish_copies(self) -> list[str]:
+        """Wait for this stage's copies; the tensors changed in place before their copy
+        finished (empty: the snapshot is whole)."""
+        return self._set.finish() if self._set is not None else []
+
+    def release(self) -> None:
+        """This writer is done with the buffers (once; later calls do nothing)."""
+        held, self._set = self._set, None
+        if held is not None:
+            self._stager._release(held)
+
+
+class Stager:
+    """Staging buffers for background writers, reused from one stage to the next.
+
+    ``what`` names the writers in errors and warnings ("the async save", "the fast tier").
+    One stager may serve several writers (a manager's two tiers): :meth:`stage` with the
+    ``share`` key of a stage still held hands out the same buffers without copying again.
     """
 
     def __init__(self, what: str) -> None:
         self.what = what
-        self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        self._set = _Set()  # the newest stage; an older one still held lives on in its holders
         self._pin = True  # until pinning fails once (a locked-memory limit)
         self._side: ThreadPoolExecutor | None = None  # CPU copies under overlap
         self._stream: Any = None  # CUDA copies under overlap
-        self._pending: Callable[[], list[str]] | None = None  # copies not yet waited for
-        self._torn: list[str] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # holders are counted from the writers' threads
 
     def stage(
-        self, placed: Mapping[str, Placed], *, fork: bool, overlap: bool = False
-    ) -> dict[str, Placed]:
+        self,
+        placed: Mapping[str, Placed],
+        *,
+        fork: bool,
+        overlap: bool = False,
+        share: object = None,
+    ) -> Staged:
         """This rank's tensors with each box either its live view (``fork`` and a
         contiguous CPU box: a forked writer snapshots it) or a staging buffer holding a
-        copy. Buffers of boxes not staged this time are dropped. With ``overlap`` (never
-        with ``fork``: the child must see whole buffers) the copies may still be running
-        on return: :meth:`finish_copies` waits for them."""
-        self.finish_copies()  # a stage not yet waited for (its save failed early)
+        copy. With ``overlap`` (never with ``fork``: the child must see whole buffers) the
+        copies may still be running on return: :meth:`Staged.finish_copies` waits for
+        them. With ``share``, a second writer of the same save (the same key, the same
+        views) holds the buffers the first one staged: each byte is copied once."""
+        shared = self._shared(placed, fork, share)
+        if shared is not None:
+            return shared
+        self._set.finish()  # the copies of the last stage end before new ones start
+        with self._lock:
+            if self._set.holders:  # still being written: this stage gets buffers of its own
+                self._set = _Set()
+            held = self._set
+            held.holders, held.key, held.torn = 1, share, []
         out: dict[str, Placed] = {}
         used: set[tuple[str, Box]] = set()
         copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -110,19 +169,45 @@ class Stager:
                     copy.local[box] = view
                     continue
                 key = (name, box)
-                buf = self._buffer(key, view)
+                buf = self._buffer(held, key, view)
+                held.sources[key] = _source(view)
                 copies.append((name, buf, view))
                 copy.local[box] = buf
                 used.add(key)
             out[name] = copy
-        for key in set(self._buffers) - used:
-            del self._buffers[key]
-        self._torn = []
+        for key in set(held.buffers) - used:
+            del held.buffers[key]
+            held.sources.pop(key, None)
         if copies:
-            self._pending = self._copy(copies, overlap=overlap and not fork)
+            held.pending = self._copy(copies, overlap=overlap and not fork)
             if not overlap or fork:
-                self.finish_copies()
-        return out
+                held.finish()
+        return Staged(self, held, out)
+
+    def _shared(self, placed: Mapping[str, Placed], fork: bool, share: object) -> Staged | None:
+        """A hold on the newest stage when it was made under ``share`` and still holds a
+        copy of each box ``placed`` needs, from the same views; else None."""
+        held = self._set
+        if share is None or held.key is not share:
+            return None
+        out: dict[str, Placed] = {}
+        for name, live in placed.items():
+            copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
+            for box, view in live.local.items():
+                view = view.detach()
+                if fork and view.device.type == "cpu" and view.is_contiguous():
+                    copy.local[box] = view
+                    continue
+                buf = held.buffers.get((name, box))
+                if buf is None or held.sources.get((name, box)) != _source(view):
+                    return None
+                copy.local[box] = buf
+            out[name] = copy
+        with self._lock:
+            if not held.holders:  # released meanwhile: its bytes may be poisoned
+                return None
+            held.holders += 1
+        return Staged(self, held, out)
 
     def _copy(
         self, copies: list[tuple[str, torch.Tensor, torch.Tensor]], *, overlap: bool
@@ -170,14 +255,10 @@ class Stager:
         return wait
 
     def finish_copies(self) -> list[str]:
-        """Wait for the copies of the last :meth:`stage` (at once when they are done);
-        the tensors changed in place before their copy finished (empty: the snapshot is
-        whole). The first caller (the optimizer's hook, or the writer) judges."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                self._torn = pending()
-            return list(self._torn)
+        """Wait for the copies of the newest stage (at once when they are done); the
+        tensors changed in place before their copy finished (empty: the snapshot is
+        whole). The first caller (the optimizer's hook, or a writer) judges."""
+        return self._set.finish()
 
     def close(self) -> None:
         """Wait for copies in flight and stop the side thread."""
@@ -186,13 +267,18 @@ class Stager:
             self._side.shutdown(wait=True)
             self._side = None
 
-    def release(self) -> None:
-        """The background writer is done with the buffers (they are the stager's again)."""
-        for key, buf in self._buffers.items():
+    def _release(self, held: _Set) -> None:
+        """A writer is done with ``held``'s buffers; the last one gives them back."""
+        with self._lock:
+            held.holders -= 1
+            if held.holders:
+                return
+            held.key = None
+        for key, buf in held.buffers.items():
             release(buf, self._name(key))
 
-    def _buffer(self, key: tuple[str, Box], view: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
+    def _buffer(self, held: _Set, key: tuple[str, Box], view: torch.Tensor) -> torch.Tensor:
+        buf = held.buffers.get(key)
         if buf is not None and buf.dtype == view.dtype and buf.shape == view.shape:
             reclaim(buf, self._name(key))
             return buf
@@ -205,8 +291,13 @@ class Stager:
                 "%s: pinning a staging buffer failed (%s): using pageable memory", self.what, e
             )
             buf = torch.empty(tuple(view.shape), dtype=view.dtype)
-        self._buffers[key] = buf
+        held.buffers[key] = buf
         return buf
 
     def _name(self, key: tuple[str, Box]) -> str:
         return f"{self.what}'s staging buffer of {key[0]!r} {key[1]}"
+
+
+def _source(view: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """What a staged copy was taken from: the view's memory, version and strides."""
+    return (view.data_ptr(), view._version, tuple(view.stride()))

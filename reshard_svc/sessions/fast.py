@@ -59,7 +59,7 @@ from reshard_svc.runtime.async_save import STOP_SIGNALS
 from reshard_svc.runtime.buffers import BackgroundWriter, release
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.save import WRITE_QUEUE_BYTES, saved_index, write_file
-from reshard_svc.runtime.staging import Stager, can_fork
+from reshard_svc.runtime.staging import Staged, Stager, can_fork
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import Placed, describe
 from reshard_svc.sessions.fast_restore import Choice, FastRestore, RestoreInfo
@@ -123,15 +123,17 @@ class _Snapshot:
     Ownership: the staging buffers are the background step's from :meth:`take` until that
     step has finished (:meth:`FastSaves._write` releases them), then the stager's again."""
 
-    def __init__(self) -> None:
-        self.stager = Stager("the fast tier")
+    def __init__(self, stager: Stager) -> None:
+        self.stager = stager
+        self.staged: Staged | None = None
         self.placed: dict[str, Placed] = {}
         self.extras: dict[str, Any] = {}
 
-    def take(self, state: Mapping[str, Any], overlap: bool = False) -> bool:
-        """Stage this rank's tensors (``overlap``: the copies may still run on return);
-        returns whether a forked writer may write them (CPU state: contiguous boxes stay
-        live views, its copy-on-write memory holds them)."""
+    def take(self, state: Mapping[str, Any], overlap: bool = False, share: object = None) -> bool:
+        """Stage this rank's tensors (``overlap``: the copies may still run on return;
+        ``share``: see :meth:`Stager.stage`); returns whether a forked writer may write
+        them (CPU state: contiguous boxes stay live views, its copy-on-write memory holds
+        them)."""
         extras: dict[str, Any] = {}
         described: dict[str, Placed] = {}
         for name, leaf in flatten(state).items():
@@ -140,13 +142,19 @@ class _Snapshot:
             else:
                 described[name] = describe(leaf)
         views = can_fork(v for p in described.values() for v in p.local.values())
-        self.placed = self.stager.stage(described, fork=views, overlap=overlap)
+        self.staged = self.stager.stage(described, fork=views, overlap=overlap, share=share)
+        self.placed = self.staged.placed
         self.extras = extras
         return views
 
+    def finish_copies(self) -> list[str]:
+        """Wait for this snapshot's copies (see :meth:`Staged.finish_copies`)."""
+        return self.staged.finish_copies() if self.staged is not None else []
+
     def release(self) -> None:
         """The background step is done with the buffers."""
-        self.stager.release()
+        if self.staged is not None:
+            self.staged.release()
 
 
 # ---- who sends its part to whom
@@ -175,7 +183,9 @@ def peers(nodes: list[int], copies: int) -> dict[int, list[int]]:
 class FastSaves:
     """A :class:`FastTier` at work inside a manager: every rank builds one (collective)."""
 
-    def __init__(self, tier: FastTier, comm: Comm, process_group: Any) -> None:
+    def __init__(
+        self, tier: FastTier, comm: Comm, process_group: Any, stager: Stager | None = None
+    ) -> None:
         self.tier = tier
         self.comm = comm
         self.process_group = process_group
@@ -212,7 +222,8 @@ class FastSaves:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
             raise
-        self._snapshot = _Snapshot()
+        self._own_stager = stager is None  # else the manager's, shared with its other tier
+        self._snapshot = _Snapshot(stager if stager is not None else Stager("the fast tier"))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-fast")
         self._pending: Future[tuple[bool, int]] | None = None
         self._counted: int | None = None  # this run's newest fast step that counts
@@ -242,13 +253,16 @@ class FastSaves:
     def due(self, step: int) -> bool:
         return step % self.tier.every == 0
 
-    def save(self, step: int, state: Mapping[str, Any], overlap: bool = False) -> None:
+    def save(
+        self, step: int, state: Mapping[str, Any], overlap: bool = False, share: object = None
+    ) -> None:
         """Every rank: wait for the fast save in flight, snapshot (``overlap``: copies
-        queued, see :meth:`finish_copies`), and write in the background."""
+        queued, see :meth:`finish_copies`; ``share``: see :meth:`Stager.stage`), and write
+        in the background."""
         self.wait()
         if step == self._counted:
             return  # this run's fast step of this number already counts (a forced save)
-        fork = self._snapshot.take(state, overlap)  # each leaf described once
+        fork = self._snapshot.take(state, overlap, share)  # each leaf described once
         prepared: Callable[[], Any] | str | None = None
         if fork:  # the part is written by a copy-on-write child: the stall is the fork
             try:
@@ -269,7 +283,7 @@ class FastSaves:
     def _whole_snapshot(self) -> None:
         """Once the snapshot's copies are done: :class:`TornSnapshotError` when a tensor
         changed in place before its copy finished."""
-        torn = self.finish_copies()
+        torn = self._snapshot.finish_copies()  # this snapshot's, whatever was staged since
         if torn:
             raise TornSnapshotError(
                 f"{', '.join(repr(t) for t in torn[:5])} changed in place before the "
@@ -429,7 +443,8 @@ class FastSaves:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
-            self._snapshot.stager.close()
+            if self._own_stager:
+                self._snapshot.stager.close()
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None

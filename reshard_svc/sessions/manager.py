@@ -61,6 +61,7 @@ from reshard_svc.runtime.async_save import AsyncSaver
 from reshard_svc.runtime.comm import Comm
 from reshard_svc.runtime.load import load as load_checkpoint
 from reshard_svc.runtime.save import save as save_checkpoint
+from reshard_svc.runtime.staging import Stager
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.sessions.fast import FastSaves, FastTier, RestoreInfo
 from reshard_svc.sessions.steps import StepInfo, list_steps  # the root as `reshard steps` shows it
@@ -230,8 +231,12 @@ class CheckpointManager:
         self._lease: Lease | None = None
         what = f"CheckpointManager({self.root!r}): taking the root"
         self.comm.run_everywhere(what, self._take_root)
+        # one stager for both tiers: a step due on both is staged once
+        self._stager = Stager("the checkpoint manager")
         self._saver = (
-            AsyncSaver(self.process_group, io_threads=self.io_threads) if async_save else None
+            AsyncSaver(self.process_group, io_threads=self.io_threads, stager=self._stager)
+            if async_save
+            else None
         )
         # commit, then retention: the pending save is done when both are
         self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
@@ -239,7 +244,7 @@ class CheckpointManager:
         self._fast: FastSaves | None = None
         if fast is not None:
             try:
-                self._fast = FastSaves(fast, self.comm, self.process_group)
+                self._fast = FastSaves(fast, self.comm, self.process_group, self._stager)
             except BaseException:
                 if self._saver is not None:
                     self._saver.close()
@@ -308,8 +313,9 @@ class CheckpointManager:
         stop, busy = self._agree()
         due = force or stop or step % self.interval == 0 or self._owed
         overlap = bool(self._hooks) and not stop
+        share = object()  # this call's stage: the persistent tier holds what the fast one staged
         if self._fast is not None and (stop or self._fast.due(step)):
-            self._fast.save(step, self._with_step(step, state), overlap=overlap)
+            self._fast.save(step, self._with_step(step, state), overlap=overlap, share=share)
             self._copying = overlap
             if stop:
                 self._fast.wait()  # preemption: the fast copy first (seconds), then the root
@@ -338,6 +344,7 @@ class CheckpointManager:
             storage_options=self.storage_options,
             checksum=self.checksum,
             overlap=overlap,
+            share=share,
         )
         self._copying = overlap
         self._pending = (step, self._post.submit(self._after_commit, future, step))
@@ -635,6 +642,7 @@ class CheckpointManager:
                 self._saver.close()
             if self._fast is not None:
                 self._fast.close()
+            self._stager.close()
             for hook in self._hooks:
                 hook.remove()
             self._post.shutdown(wait=True)

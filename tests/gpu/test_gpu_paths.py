@@ -62,7 +62,7 @@ def test_async_save_stages_cuda_state_in_pinned_buffers(tmp_path):
         for v in state.values():
             v.add_(1) if v.dtype != torch.float8_e4m3fn else v.zero_()  # training goes on
         future.result()
-        staged = list(saver._stager._buffers.values())
+        staged = list(saver._stager._set.buffers.values())
         assert staged and all(b.is_pinned() for b in staged)
     finally:
         saver.close()

@@ -19,6 +19,7 @@ import torch
 
 import reshard_svc
 from reshard_svc import CheckpointManager, FastTier, UsageError
+from reshard_svc.format.steps import step_name
 from reshard_svc.runtime import staging
 
 
@@ -133,3 +134,97 @@ def test_optimizers_that_take_no_hook_are_refused_before_the_root_is_taken(tmp_p
         CheckpointManager(str(tmp_path / "root"), optimizers=[object()])
     with CheckpointManager(str(tmp_path / "root")) as mgr:  # the root is free
         assert mgr.steps() == []
+
+
+def _counting_copies(monkeypatch) -> list[int]:
+    """Bytes copied into staging buffers, one entry per stage that copied."""
+    real, copied = staging._copy_then, []
+
+    def counting(pairs, torn):
+        copied.append(sum(buf.numel() * buf.element_size() for buf, _ in pairs))
+        return real(pairs, torn)
+
+    monkeypatch.setattr(staging, "_copy_then", counting)
+    return copied
+
+
+def test_a_step_due_on_both_tiers_is_staged_once(tmp_path, monkeypatch):
+    """The manager's two tiers share one stager: a step due on both copies each byte once,
+    and each tier commits exactly what the job held at that step."""
+    copied = _counting_copies(monkeypatch)
+    w = torch.arange(1 << 14, dtype=torch.float32)
+    nbytes = w.numel() * w.element_size()
+    fast = FastTier(str(tmp_path / "fast"), every=1)
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, interval=2, fast=fast) as mgr:
+        for step in range(1, 5):
+            w.add_(1)
+            assert mgr.save(step, {"w": w}).saved == (step % 2 == 0)
+            mgr.wait()
+        assert mgr.steps() == [2, 4] and mgr.fast_steps() == [3, 4]
+    assert copied == [nbytes] * 4, copied  # steps 2 and 4 went to both tiers, staged once
+    got = {"w": torch.empty_like(w)}
+    reshard_svc.load(got, f"{root}/{step_name(2)}")
+    assert torch.equal(got["w"], torch.arange(1 << 14, dtype=torch.float32) + 2)
+    with CheckpointManager(root, fast=fast) as mgr:
+        assert mgr.load(got) == 4 and mgr.last_restore.tier == "fast"
+    assert torch.equal(got["w"], w)
+
+
+def test_a_stage_while_the_last_one_is_still_written_gets_buffers_of_its_own(tmp_path, monkeypatch):
+    """The persistent tier still writes step 2 (shared with the fast tier) when step 3 is
+    staged for the fast tier: step 3 gets new buffers, step 2 commits the values of step 2,
+    and no buffer is touched after its release (RESHARD_DEBUG_BUFFERS=1 poisons them)."""
+    from reshard_svc.runtime import async_save
+
+    monkeypatch.setenv("RESHARD_DEBUG_BUFFERS", "1")
+    real, writing = async_save.write_and_commit, threading.Event()
+
+    def slow(prep, comm, write_here):
+        writing.set()
+        time.sleep(1.0)  # step 3 is staged meanwhile
+        return real(prep, comm, write_here)
+
+    monkeypatch.setattr(async_save, "write_and_commit", slow)
+    w = torch.zeros(1 << 14, dtype=torch.float64)
+    fast = FastTier(str(tmp_path / "fast"), every=1)
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, interval=2, fast=fast, if_busy="defer") as mgr:
+        for step in range(1, 4):
+            w.fill_(step)
+            mgr.save(step, {"w": w})
+            if step == 2:
+                assert writing.wait(10)
+        mgr.wait()
+        assert mgr.steps() == [2] and mgr.fast_steps() == [2, 3]
+    got = {"w": torch.empty_like(w)}
+    reshard_svc.load(got, f"{root}/{step_name(2)}")
+    assert torch.equal(got["w"], torch.full_like(w, 2))
+    with CheckpointManager(root, fast=fast) as mgr:
+        assert mgr.load(got) == 3
+    assert torch.equal(got["w"], torch.full_like(w, 3))
+
+
+def test_a_shared_stage_is_given_back_when_its_last_writer_releases_it(monkeypatch):
+    from reshard_svc.layout import Box
+    from reshard_svc.runtime.buffers import POISON
+    from reshard_svc.runtime.targets import Placed
+
+    monkeypatch.setenv("RESHARD_DEBUG_BUFFERS", "1")
+    w = torch.arange(64, dtype=torch.int32)
+    box = Box((0,), (64,))
+    placed = {"w": Placed(name="w", dtype=w.dtype, shape=(64,), layout=None, local={box: w})}
+    stager, key = staging.Stager("a test"), object()
+    first = stager.stage(placed, fork=False, share=key)
+    second = stager.stage(placed, fork=False, share=key)
+    buf = first.placed["w"].local[box]
+    assert second.placed["w"].local[box] is buf and buf is not w
+    other = stager.stage(placed, fork=False, share=object())  # another save: its own buffers
+    assert other.placed["w"].local[box] is not buf
+    first.release()
+    assert torch.equal(buf, w)  # the second writer still holds it
+    second.release()
+    second.release()  # once only
+    assert bool((buf.view(torch.uint8) == POISON).all())
+    other.release()
+    stager.close()
