@@ -8,6 +8,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_demo_runs_end_to_end_and_keeps_its_checkpoints(tmp_path):
     folder = tmp_path / "demo"

@@ -149,10 +149,12 @@ def _siblings(root: str, name: str) -> list[str]:
     return [p for p in os.listdir(root) if p.startswith(f".{name}.")]
 
 
+@pytest.mark.slow
 def test_kill_local(tmp_path):
     kill_at_random_points(str(tmp_path), points=12, seed=11)
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 def test_kill_s3(s3):
     kill_at_random_points(s3, points=6, seed=12)

@@ -45,6 +45,7 @@ def training_loop_code() -> str:
     return readme_code("training-loop")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_readme_training_loop_saves_and_resumes_at_another_size(tmp_path):
     script = tmp_path / "train.py"

@@ -66,6 +66,7 @@ def test_readme_quickstart(tmp_path):
     assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
+@pytest.mark.slow
 def test_cli_guide_commands(tmp_path):
     sd = _tp8(tmp_path)
     (tmp_path / "rules.yaml").write_text(section("rules", "yaml"))

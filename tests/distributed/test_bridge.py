@@ -293,6 +293,7 @@ def test_converting_a_torch_checkpointing_save_keeps_the_memory_budget(tmp_path)
     assert all(torch.equal(out[f"model.{k}"], v) for k, v in want.items())
 
 
+@pytest.mark.slow
 def test_readme_bridge_commands(megatron, tmp_path):
     """The README's "Coming from torchtitan or Megatron" commands, as written, in order."""
     import shlex

@@ -28,6 +28,7 @@ def results() -> dict[str, dict[int, Any]]:
     return {s: {rank: out[rank][s] for rank in out} for s in SCENARIOS}
 
 
+@pytest.mark.slow
 def test_twenty_pushes_are_bitwise_and_send_only_what_changed(results):
     r = results["rl_loop"]
     for rank in range(8):
@@ -223,6 +224,7 @@ def _points() -> list[list[Any]]:
     return [*points, [None, 0, ""]]
 
 
+@pytest.mark.slow
 def test_a_process_killed_at_any_wave_leaves_every_survivor_on_the_last_version():
     """SIGKILL of a receiver or a sender at every wave boundary and inside every wave of a
     6-wave push: every survivor raises and holds version 2 bitwise (or says it is fenced);

@@ -25,6 +25,7 @@ def worker_env(job_id: str) -> dict[str, str]:
     raise AssertionError(f"no worker of {job_id} found")
 
 
+@pytest.mark.slow
 def test_callback_tokens_are_per_job(make_server, tmp_path):
     server = make_server(max_running="2")
     a, _ = slow_job(server, tmp_path, "a")
@@ -60,6 +61,7 @@ def test_callback_tokens_are_per_job(make_server, tmp_path):
         assert c.wait(b, timeout=60).state.value == "cancelled"
 
 
+@pytest.mark.slow
 def test_progress_arrives_without_a_shared_filesystem(server, tmp_path):
     """No progress file exists anywhere: the server learns everything from callbacks."""
     job_id, _ = slow_job(server, tmp_path, "p")

@@ -114,6 +114,7 @@ def leftovers(dst: str) -> list[str]:
     return [p for p in os.listdir(parent) if p.startswith(f".{name}.")]
 
 
+@pytest.mark.slow
 def test_kill9_server_mid_job_then_restart(make_server, tmp_path):
     server = make_server()
     job_id, dst = slow_job(server, tmp_path)

@@ -52,6 +52,7 @@ def submitted(client, watch_id: str) -> dict[int, str]:
     return {s.step: s.job_id for s in client.get_watch(watch_id).steps if s.outcome == "submitted"}
 
 
+@pytest.mark.slow
 def test_each_committed_step_becomes_one_job_across_a_server_restart(make_server, tmp_path):
     data = tmp_path / "data"
     server = make_server(watch_interval_s=SCAN, env={"RESHARD_ALLOW_DCP_PICKLE": "1"})
