@@ -41,9 +41,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -134,6 +134,8 @@ class Stager:
         self._side: ThreadPoolExecutor | None = None  # CPU copies under overlap
         self._stream: Any = None  # CUDA copies under overlap
         self._lock = threading.Lock()  # holders are counted from the writers' threads
+        self._sharing: object = None  # the open :meth:`sharing` scope's key
+        self._scoped: list[_Set] = []  # the stages it holds
 
     def stage(
         self,
@@ -157,7 +159,11 @@ class Stager:
             if self._set.holders:  # still being written: this stage gets buffers of its own
                 self._set = _Set()
             held = self._set
+            # the open sharing scope holds it too, until every writer of the save has staged
             held.holders, held.key, held.torn = 1, share, []
+            if share is not None and share is self._sharing:
+                held.holders += 1
+                self._scoped.append(held)
         out: dict[str, Placed] = {}
         used: set[tuple[str, Box]] = set()
         copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -183,6 +189,20 @@ class Stager:
             if not overlap or fork:
                 held.finish()
         return Staged(self, held, out)
+
+    @contextmanager
+    def sharing(self) -> Iterator[object]:
+        """A scope whose key, passed as ``share`` to each writer's :meth:`stage`, makes them
+        hold one stage: its buffers are not given back before the scope ends, even when
+        the first writer is done before the next one stages."""
+        key = object()
+        self._sharing = key
+        try:
+            yield key
+        finally:
+            scoped, self._scoped, self._sharing = self._scoped, [], None
+            for held in scoped:
+                self._release(held)
 
     def _shared(self, placed: Mapping[str, Placed], fork: bool, share: object) -> Staged | None:
         """A hold on the newest stage when it was made under ``share`` and still holds a

@@ -310,10 +310,15 @@ class CheckpointManager:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
+        # a step due on both tiers is staged once: the fast tier's stage, held by the
+        # persistent tier too
+        with self._stager.sharing() as share:
+            return self._save(step, state, force, share)
+
+    def _save(self, step: int, state: Mapping[str, Any], force: bool, share: object) -> Saved:
         stop, busy = self._agree()
         due = force or stop or step % self.interval == 0 or self._owed
         overlap = bool(self._hooks) and not stop
-        share = object()  # this call's stage: the persistent tier holds what the fast one staged
         if self._fast is not None and (stop or self._fast.due(step)):
             self._fast.save(step, self._with_step(step, state), overlap=overlap, share=share)
             self._copying = overlap

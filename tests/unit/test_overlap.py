@@ -228,3 +228,29 @@ def test_a_shared_stage_is_given_back_when_its_last_writer_releases_it(monkeypat
     assert bool((buf.view(torch.uint8) == POISON).all())
     other.release()
     stager.close()
+
+
+def test_a_sharing_scope_holds_its_stage_until_every_writer_has_staged(monkeypatch):
+    """The fast tier may finish writing before the persistent tier stages the same step:
+    the manager's sharing scope keeps the stage (one copy), given back after both."""
+    from reshard_svc.layout import Box
+    from reshard_svc.runtime.buffers import POISON
+    from reshard_svc.runtime.targets import Placed
+
+    monkeypatch.setenv("RESHARD_DEBUG_BUFFERS", "1")
+    copied = _counting_copies(monkeypatch)
+    w = torch.arange(64, dtype=torch.int32)
+    box = Box((0,), (64,))
+    placed = {"w": Placed(name="w", dtype=w.dtype, shape=(64,), layout=None, local={box: w})}
+    stager = staging.Stager("a test")
+    with stager.sharing() as key:
+        first = stager.stage(placed, fork=False, share=key)
+        buf = first.placed["w"].local[box]
+        first.release()  # the first writer is done before the second stages
+        second = stager.stage(placed, fork=False, share=key)
+        assert second.placed["w"].local[box] is buf and torch.equal(buf, w)
+    assert copied == [256]
+    assert torch.equal(buf, w)  # the second writer still holds it
+    second.release()
+    assert bool((buf.view(torch.uint8) == POISON).all())
+    stager.close()
