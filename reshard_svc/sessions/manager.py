@@ -23,6 +23,13 @@ collects what dead saves left (stale leases only); a failure to delete is a warn
 step folder is on storage (its name, committed or not, retiring it, its leftovers) is
 :class:`~reshard_svc.format.steps.StepFolders`'s; the manager decides when.
 
+The manager composes two tiers behind one stager: the persistent tier
+(:class:`~reshard_svc.sessions.persistent.PersistentSaves`: the root's lease, the
+background saver, retention) and, given ``fast=``, the fast tier
+(:class:`~reshard_svc.sessions.fast.FastSaves`). It keeps what spans both: the agreement
+of each call, stop signals, ``if_busy``, the overlap hooks, which tier a resume loads from,
+and the ``rank_local`` keys.
+
 Per-rank state (RNG, a data loader's position) is saved under per-rank keys: name its
 top-level keys in ``rank_local`` and each rank's value is stored as ``rank_local.<rank>.<key>``;
 a resumed job whose rank has no saved value (a larger world) keeps the value it passed,
@@ -35,37 +42,21 @@ import logging
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from reshard_svc.errors import (
-    CheckpointError,
-    DistributedError,
-    SaveFailedError,
-    StateDictError,
-    StorageError,
-    TornSnapshotError,
-    UsageError,
-)
-from reshard_svc.format.collect import collect_lease_debris
-from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
-from reshard_svc.format.steps import StepFolders
+from reshard_svc.errors import StateDictError, UsageError
 from reshard_svc.plan.budget import io_threads as count_io_threads
-from reshard_svc.plan.retention import check_policy, retained
-from reshard_svc.runtime.async_save import AsyncSaver
+from reshard_svc.plan.retention import check_policy
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.load import load as load_checkpoint
-from reshard_svc.runtime.save import save as save_checkpoint
 from reshard_svc.runtime.staging import Stager
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.sessions.fast import FastSaves, FastTier, RestoreInfo
+from reshard_svc.sessions.persistent import PersistentSaves
 from reshard_svc.sessions.steps import StepInfo, list_steps  # the root as `reshard steps` shows it
-from reshard_svc.storage.leases import Lease
 
 __all__ = ["CheckpointManager", "Saved", "StepInfo", "list_steps"]
 
@@ -124,18 +115,6 @@ def _hookable(optimizers: Iterable[Any]) -> list[Any]:
     return out
 
 
-def _torn(error: BaseException | None) -> bool:
-    """Whether a background save failed only because its snapshot was torn (on this rank,
-    or on the ranks whose failure this rank learned)."""
-    if isinstance(error, TornSnapshotError):
-        return True
-    if isinstance(error, DistributedError):
-        return bool(error.failures) and all(
-            str(m).startswith("TornSnapshotError") for m in error.failures.values()
-        )
-    return False
-
-
 class CheckpointManager:
     """Checkpoints of one training job under ``root`` (any fsspec URI). Construct on every
     rank of ``process_group`` (collective); use as a context manager or call :meth:`close`.
@@ -192,7 +171,6 @@ class CheckpointManager:
         optimizers = _checked(interval, keep_last, keep_every, if_busy, fast, optimizers)
         self.io_threads = None if io_threads is None else count_io_threads(io_threads)
         self.root = root.rstrip("/")
-        self.folders = StepFolders(self.root, storage_options)
         self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
         self.rank_local = tuple(rank_local)
         self.process_group = process_group
@@ -208,7 +186,6 @@ class CheckpointManager:
         #: previous save to commit, or (overlap mode) an optimizer for the copies
         self.last_wait_s = 0.0
         self._signalled: int | None = None
-        self._pending: tuple[int, Future[Any]] | None = None
         self._closed = False
         self._start(async_save, fast)
         self._previous_handlers: dict[int, Any] = {}
@@ -218,9 +195,9 @@ class CheckpointManager:
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
 
     def _start(self, async_save: bool, fast: FastTier | None) -> None:
-        """The manager's gloo group, the root's lease, the persistent tier's saver and the
-        fast tier (collective); when the fast tier cannot start, nothing of this manager
-        stays and the root is free again."""
+        """The manager's gloo group, then its two tiers behind one stager (collective);
+        when the fast tier cannot start, nothing of this manager stays and the root is
+        free again."""
         self._group = None
         if dist.is_available() and dist.is_initialized():
             pg = self.process_group
@@ -228,53 +205,31 @@ class CheckpointManager:
             # the manager's agreements never share a communicator with training's
             self._group = dist.new_group(ranks=ranks, backend="gloo")
         self.comm = Comm(self._group)
-        self._lease: Lease | None = None
-        what = f"CheckpointManager({self.root!r}): taking the root"
-        self.comm.run_everywhere(what, self._take_root)
         # one stager for both tiers: a step due on both is staged once
         self._stager = Stager("the checkpoint manager")
-        self._saver = (
-            AsyncSaver(self.process_group, io_threads=self.io_threads, stager=self._stager)
-            if async_save
-            else None
+        self._persistent = PersistentSaves(
+            self.root,
+            self.comm,
+            interval=self.interval,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            async_save=async_save,
+            process_group=self.process_group,
+            storage_options=self.storage_options,
+            checksum=self.checksum,
+            io_threads=self.io_threads,
+            on_commit=self.on_commit,
+            stager=self._stager,
         )
-        # commit, then retention: the pending save is done when both are
-        self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
-        self._retention = threading.Lock()
         self._fast: FastSaves | None = None
         if fast is not None:
             try:
                 self._fast = FastSaves(fast, self.comm, self.process_group, self._stager)
             except BaseException:
-                if self._saver is not None:
-                    self._saver.close()
-                self._post.shutdown(wait=True)
-                self._release_root()
+                self._persistent.close()
                 if self._group is not None:
                     dist.destroy_process_group(self._group)
                 raise
-
-    # ---- the root
-
-    def _take_root(self) -> None:
-        if self.comm.rank != 0:
-            return
-        storage = self.folders.prepare()
-        token = uuid.uuid4().hex
-        self._lease = Lease.acquire(
-            storage,
-            self.root,
-            token,
-            "checkpoint-manager",
-            lambda holder, state: None,  # type: ignore[arg-type]
-        )
-        try:  # what a dead job's operations on the root's lease left beside it
-            collect_lease_debris(storage)
-        except OSError as e:
-            logger.warning("could not collect the lease debris beside %s: %s", self.root, e)
-        # before anyone asks for the latest step: a dead job's decided commit is finished,
-        # so the step it saved is the one a resume loads
-        self.folders.finish_interrupted()
 
     def _install(self, sig: int) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -288,11 +243,11 @@ class CheckpointManager:
     # ---- what is on storage
 
     def _step_uri(self, step: int) -> str:
-        return self.folders.uri(step)
+        return self._persistent.uri(step)
 
     def steps(self) -> list[int]:
         """Committed steps (their index exists), oldest first."""
-        return self.folders.committed()
+        return self._persistent.steps()
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -317,7 +272,7 @@ class CheckpointManager:
 
     def _save(self, step: int, state: Mapping[str, Any], force: bool, share: object) -> Saved:
         stop, busy = self._agree()
-        due = force or stop or step % self.interval == 0 or self._owed
+        due = force or stop or self._persistent.due(step) or self._owed
         overlap = bool(self._hooks) and not stop
         if self._fast is not None and (stop or self._fast.due(step)):
             self._fast.save(step, self._with_step(step, state), overlap=overlap, share=share)
@@ -326,9 +281,9 @@ class CheckpointManager:
                 self._fast.wait()  # preemption: the fast copy first (seconds), then the root
         if not due:
             return Saved(saved=False, reason=NOT_DUE)
-        if stop or self._saver is None:
-            self._finish_pending()
-            self._save_now(step, state)
+        if stop or not self._persistent.in_background:
+            self._persistent.finish()
+            self._persistent.save_now(step, self._with_step(step, state))
             self._owed = False
             if stop:
                 self.should_stop = True
@@ -339,20 +294,12 @@ class CheckpointManager:
             return Saved(saved=False, reason=DEFERRED)
         self._owed = False
         started = time.monotonic()
-        self._finish_pending()
+        self._persistent.finish()
         waited = self.last_wait_s = time.monotonic() - started
         if waited > 0.05:
             logger.info("step %d waited %.2f s for the previous save to commit", step, waited)
-        future = self._saver.save(
-            self._with_step(step, state),
-            self._step_uri(step),
-            storage_options=self.storage_options,
-            checksum=self.checksum,
-            overlap=overlap,
-            share=share,
-        )
+        self._persistent.save(step, self._with_step(step, state), overlap=overlap, share=share)
         self._copying = overlap
-        self._pending = (step, self._post.submit(self._after_commit, future, step))
         return Saved(saved=True, reason=SAVED)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -361,8 +308,7 @@ class CheckpointManager:
         if not self._copying:
             return
         started = time.perf_counter()
-        if self._saver is not None:
-            self._saver.finish_copies()
+        self._persistent.finish_copies()
         if self._fast is not None:
             self._fast.finish_copies()
         self._copying = False
@@ -371,60 +317,13 @@ class CheckpointManager:
     def _agree(self) -> tuple[bool, bool]:
         """One small all-reduce: (a stop was asked for, a previous save failed, a save is
         still in flight on some rank); returns (stop, busy)."""
-        failed = busy = 0
-        if self._pending is not None:
-            if self._pending[1].done():
-                failed = int(self._pending[1].exception() is not None)
-            else:
-                busy = 1
+        failed, busy = self._persistent.status()
         stop, any_failed, any_busy = self.comm.all_reduce_max(
-            [int(self._signalled is not None), failed, busy]
+            [int(self._signalled is not None), int(failed), int(busy)]
         )
         if any_failed:
-            self._finish_pending()  # every rank's save of that step fails: raise it
+            self._persistent.finish()  # every rank's save of that step fails: raise it
         return bool(stop), bool(any_busy)
-
-    def _finish_pending(self) -> None:
-        """Wait for the save in flight; its failure is raised on every rank."""
-        if self._pending is None:
-            return
-        step, future = self._pending
-        self._pending = None
-        error = future.exception()
-        _, said = self.comm.run_everywhere(
-            f"checkpoint step {step}",
-            lambda: None,
-            share=lambda _: {"error": f"{error}" if error else "", "torn": _torn(error)},
-        )
-        failures = {r: x["error"] for r, x in enumerate(said) if x["error"]}
-        if failures and all(x["torn"] for x in said if x["error"]):
-            logger.warning(
-                "step %d does not count (nothing of it was committed; the previous step stays "
-                "the resume point): %s",
-                step,
-                next(iter(failures.values())),
-            )
-            return
-        if failures:
-            text = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
-            raise SaveFailedError(
-                f"the background save of step {step} to {self._step_uri(step)} failed, so step "
-                f"{step} is not committed: {text}",
-                step,
-                failures,
-            ) from error
-
-    def _save_now(self, step: int, state: Mapping[str, Any]) -> None:
-        save_checkpoint(
-            self._with_step(step, state),
-            self._step_uri(step),
-            process_group=self.process_group,
-            storage_options=self.storage_options,
-            checksum=self.checksum,
-            io_threads=self.io_threads,
-        )
-        if self.comm.rank == 0:
-            self._committed(step)
 
     def _with_step(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(state)
@@ -435,38 +334,6 @@ class CheckpointManager:
         if local:
             out[RANK_LOCAL] = {str(self.comm.rank): local}
         return out
-
-    # ---- retention (rank 0, after each commit)
-
-    def _after_commit(self, future: Future[Any], step: int) -> Any:
-        """The background save's result, once rank 0 has applied retention after it."""
-        result = future.result()
-        if self.comm.rank == 0:
-            self._committed(step)
-        return result
-
-    def _committed(self, step: int) -> None:
-        """Rank 0, after ``step`` committed: retention, then the ``on_commit`` hook."""
-        self._retain()
-        if self.on_commit is not None:
-            try:
-                self.on_commit(step, self._step_uri(step))
-            except Exception:  # an export never fails training
-                logger.warning("on_commit for step %d failed", step, exc_info=True)
-
-    def _retain(self) -> None:
-        with self._retention:
-            try:
-                committed = self.steps()
-                keep = retained(committed, self.keep_last, self.keep_every)
-                holds = getattr(self.on_commit, "holds", None)
-                if holds is not None:
-                    keep |= set(holds())  # still being read (an export job)
-                for step in sorted(set(committed) - keep):
-                    self.folders.retire(step)  # only what its index lists goes
-                self.folders.collect(set(committed) & keep)  # what dead saves left
-            except Exception:  # housekeeping never fails training
-                logger.warning("retention under %s failed", self.root, exc_info=True)
 
     # ---- loading
 
@@ -481,7 +348,7 @@ class CheckpointManager:
         where. Called by every rank."""
         self._check_open()
         started = time.perf_counter()
-        chosen, index = self._pick(step)
+        chosen, index = self._persistent.pick(step)
         if self._fast is not None and step is None:
             choice = self._fast.choose(newer_than=chosen)
             if choice is not None:
@@ -504,20 +371,14 @@ class CheckpointManager:
         if self._fast is not None:
             self._fast.forget_after(chosen)
         view = self._view(state, chosen, {*index.tensors, *index.extras})
-        stats = load_checkpoint(
-            view,
-            self._step_uri(chosen),
-            process_group=self.process_group,
-            strict=strict,
-            storage_options=self.storage_options,
-        )
+        read = self._persistent.load(view, chosen, strict)
         self._write_back(state, view)
         self.last_restore = RestoreInfo(
             step=chosen,
             tier="persistent",
             bytes_local=0,
             bytes_peer=0,
-            bytes_persistent=stats.bytes_read,
+            bytes_persistent=read,
             seconds=time.perf_counter() - started,
         )
         return chosen
@@ -585,51 +446,13 @@ class CheckpointManager:
             for key, value in values.items():
                 target[key] = value
 
-    def _pick(self, step: int | None) -> tuple[int | None, CheckpointIndex | None]:
-        """Rank 0 finds the step to load and checks its index parses; every rank gets it."""
-
-        def find() -> Any:
-            if self.comm.rank != 0:
-                return None
-            candidates = (
-                [step] if step is not None else sorted(self.folders.folders(), reverse=True)
-            )
-            skipped = []
-            for s in candidates:
-                storage = self.folders.storage(s)
-                try:
-                    raw = storage.read(INDEX_NAME)
-                    CheckpointIndex.loads(raw, f"{storage.uri}/{INDEX_NAME}").check()
-                except (CheckpointError, StorageError) as e:
-                    if step is not None:
-                        raise CheckpointError(
-                            f"step {step} under {self.root} cannot be loaded: {e}"
-                        ) from e
-                    skipped.append(f"{s} ({type(e).__name__})")
-                    continue
-                if skipped:
-                    logger.warning(
-                        "skipped uncommitted or unreadable steps under %s: %s",
-                        self.root,
-                        ", ".join(skipped),
-                    )
-                return s
-            return None
-
-        _, found = self.comm.run_everywhere(f"finding a step to load under {self.root}", find)
-        chosen = found[0]
-        if chosen is None:
-            return None, None
-        storage = self.folders.storage(chosen)
-        return chosen, CheckpointIndex.loads(storage.read(INDEX_NAME))
-
     # ---- lifetime
 
     def wait(self) -> None:
         """Block until the saves in flight have finished: the persistent one committed (its
         failure raised on every rank), and the fast one (a failure there is a warning)."""
         self._check_open()
-        self._finish_pending()
+        self._persistent.finish()
         if self._fast is not None:
             self._fast.wait()
 
@@ -638,29 +461,22 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self._finish_pending()
+            self._persistent.finish()
         finally:
             self._closed = True
             for sig, previous in self._previous_handlers.items():
                 signal.signal(sig, previous)
-            if self._saver is not None:
-                self._saver.close()
-            if self._fast is not None:
-                self._fast.close()
-            self._stager.close()
-            for hook in self._hooks:
-                hook.remove()
-            self._post.shutdown(wait=True)
-            self._release_root()
+            try:
+                self._persistent.close()
+                if self._fast is not None:
+                    self._fast.close()
+            finally:
+                self._stager.close()
+                for hook in self._hooks:
+                    hook.remove()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
-
-    def _release_root(self) -> None:
-        with self._retention:
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
 
     def fast_steps(self) -> list[int]:
         """The committed fast steps this rank's node holds, oldest first."""
