@@ -164,23 +164,17 @@ class Stager:
             if share is not None and share is self._sharing:
                 held.holders += 1
                 self._scoped.append(held)
-        out: dict[str, Placed] = {}
         used: set[tuple[str, Box]] = set()
         copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        for name, live in placed.items():
-            copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
-            for box, view in live.local.items():
-                view = view.detach()
-                if fork and view.device.type == "cpu" and view.is_contiguous():
-                    copy.local[box] = view
-                    continue
-                key = (name, box)
-                buf = self._buffer(held, key, view)
-                held.sources[key] = _source(view)
-                copies.append((name, buf, view))
-                copy.local[box] = buf
-                used.add(key)
-            out[name] = copy
+
+        def fill(key: tuple[str, Box], view: torch.Tensor) -> torch.Tensor:
+            buf = self._buffer(held, key, view)
+            held.sources[key] = _source(view)
+            copies.append((key[0], buf, view))
+            used.add(key)
+            return buf
+
+        out = _boxes(placed, fork, fill)
         for key in set(held.buffers) - used:
             del held.buffers[key]
             held.sources.pop(key, None)
@@ -188,7 +182,7 @@ class Stager:
             held.pending = self._copy(copies, overlap=overlap and not fork)
             if not overlap or fork:
                 held.finish()
-        return Staged(self, held, out)
+        return Staged(self, held, out or {})
 
     @contextmanager
     def sharing(self) -> Iterator[object]:
@@ -210,19 +204,14 @@ class Stager:
         held = self._set
         if share is None or held.key is not share:
             return None
-        out: dict[str, Placed] = {}
-        for name, live in placed.items():
-            copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
-            for box, view in live.local.items():
-                view = view.detach()
-                if fork and view.device.type == "cpu" and view.is_contiguous():
-                    copy.local[box] = view
-                    continue
-                buf = held.buffers.get((name, box))
-                if buf is None or held.sources.get((name, box)) != _source(view):
-                    return None
-                copy.local[box] = buf
-            out[name] = copy
+
+        def find(key: tuple[str, Box], view: torch.Tensor) -> torch.Tensor | None:
+            buf = held.buffers.get(key)
+            return buf if buf is not None and held.sources.get(key) == _source(view) else None
+
+        out = _boxes(placed, fork, find)
+        if out is None:
+            return None
         with self._lock:
             if not held.holders:  # released meanwhile: its bytes may be poisoned
                 return None
@@ -316,6 +305,29 @@ class Stager:
 
     def _name(self, key: tuple[str, Box]) -> str:
         return f"{self.what}'s staging buffer of {key[0]!r} {key[1]}"
+
+
+def _boxes(
+    placed: Mapping[str, Placed],
+    fork: bool,
+    buffer: Callable[[tuple[str, Box], torch.Tensor], torch.Tensor | None],
+) -> dict[str, Placed] | None:
+    """``placed`` with each box its live view (``fork`` and a contiguous CPU box: a forked
+    writer snapshots it) or the buffer ``buffer`` gives for it (None: give up, None)."""
+    out: dict[str, Placed] = {}
+    for name, live in placed.items():
+        copy = Placed(name=name, dtype=live.dtype, shape=live.shape, layout=live.layout)
+        for box, view in live.local.items():
+            view = view.detach()
+            if fork and view.device.type == "cpu" and view.is_contiguous():
+                copy.local[box] = view
+                continue
+            buf = buffer((name, box), view)
+            if buf is None:
+                return None
+            copy.local[box] = buf
+        out[name] = copy
+    return out
 
 
 def _source(view: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
