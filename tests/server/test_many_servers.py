@@ -57,7 +57,10 @@ def test_a_port_clash_is_found_before_any_job_is_touched(make_server, tmp_path):
     assert httpx.get(first.url + "/healthz").status_code == 200
 
 
-def test_the_server_answers_healthz_within_two_seconds(tmp_path):
+def test_the_server_answers_healthz_before_it_imports_torch(tmp_path):
+    """A server starts in about a second because it does not import torch to answer (the
+    jobs' workers do). Checked from the process's mappings, not with a clock: tests never
+    assert times."""
     port = free_port()
     env = {
         "RESHARD_TOKEN": TOKEN,
@@ -81,13 +84,14 @@ def test_the_server_answers_healthz_within_two_seconds(tmp_path):
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() - t0 < 10, "no answer"
+            assert time.monotonic() - t0 < 60, "no answer"
             time.sleep(0.05)
-        took = time.monotonic() - t0
+        with open(f"/proc/{proc.pid}/maps") as f:
+            mapped = f.read()
     finally:
         proc.terminate()
         proc.wait(30)
-    assert took < 2.0, f"/healthz answered {took:.2f} s after start"
+    assert "libtorch" not in mapped, "the server imported torch before it answered /healthz"
 
 
 @pytest.mark.slurm
