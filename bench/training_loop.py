@@ -73,8 +73,9 @@ def worker(args: argparse.Namespace) -> None:
             outcome = mgr.save(step, sd)
             saved = bool(outcome)
             due = saved or outcome.reason.startswith("deferred")
-            if saved and mgr._pending is not None:
-                mgr._pending[1].add_done_callback(on_done(step, t0))
+            pending_save = mgr._persistent._pending  # its commit (then retention)
+            if saved and pending_save is not None:
+                pending_save[1].add_done_callback(on_done(step, t0))
         elif step % EVERY == 0:
             saved = True
             uri = f"{args.dir}/{args.system}/step-{step}"

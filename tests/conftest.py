@@ -28,13 +28,14 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 _ONE_WORKER = {"slurm": "slurm", "ray_cluster": "ray"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist: the tests that share a launch (a module-scoped fixture) or a
     host-wide cluster (a session fixture that starts one) run on one worker, so it starts
     once; and the modules with slow tests are handed out first, so no long one starts last
     while the other worker idles. Each module's tests stay together and in their order
     (its fixtures are set up once); every worker sorts alike."""
-    if not config.pluginmanager.hasplugin("xdist") or not config.getoption("numprocesses"):
+    if not hasattr(config, "workerinput"):  # not an xdist worker (they collect, not the controller)
         return
     for item in items:
         defs = getattr(item, "_fixtureinfo", None)
