@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 HEAP_CHECKS ?= MALLOC_PERTURB_=165
 # pytest workers (pytest-xdist): the suite waits on servers, schedulers and launches much of
 # the time, so two workers keep a 2-core machine busy. 0 runs it in this one process.
-# tests/conftest.py keeps a module's shared launch and each real cluster on one worker.
+# --dist loadscope: each module on one worker (its shared launch, its cluster start once).
 PYTEST_WORKERS ?= 2
 
 .PHONY: demo test lint typecheck bench clean setup
@@ -33,7 +33,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check reshard_svc server client tests bench
-	$(HEAP_CHECKS) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(HEAP_CHECKS) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -22,29 +22,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
-# ---- the suite on several pytest workers (``make test``: pytest-xdist, ``--dist loadgroup``)
-
-#: A session fixture that is one real cluster on this host: its tests share one worker.
-_ONE_WORKER = {"slurm": "slurm", "ray_cluster": "ray"}
+# ---- the suite on several pytest workers (``make test``: pytest-xdist, ``--dist loadscope``)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist: the tests that share a launch (a module-scoped fixture) or a
-    host-wide cluster (a session fixture that starts one) run on one worker, so it starts
-    once; and the modules with slow tests are handed out first, so no long one starts last
-    while the other worker idles. Each module's tests stay together and in their order
-    (its fixtures are set up once); every worker sorts alike."""
-    if not hasattr(config, "workerinput"):  # not an xdist worker (they collect, not the controller)
+    """Under pytest-xdist (whose workers collect; ``loadscope`` gives each module to one
+    worker, so a module's shared launch and a session's cluster start once per module):
+    the modules with slow tests are handed out first, so no long one starts last while the
+    other worker idles. Each module's tests stay together and in their order; every worker
+    sorts alike."""
+    if not hasattr(config, "workerinput"):
         return
-    for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        defs = defs.name2fixturedefs if defs is not None else {}
-        group = next((g for f, g in _ONE_WORKER.items() if f in defs), None)
-        if group is None and any(d[-1].scope == "module" for d in defs.values() if d):
-            group = item.module.__name__
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)
 

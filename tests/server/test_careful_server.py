@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -66,9 +65,11 @@ def test_ctrl_c_while_waiting_says_the_job_keeps_running(server, tmp_path):
         text=True,
         start_new_session=True,
     )
-    time.sleep(2)
+    first = proc.stderr.readline()  # its first progress line: it follows the job now
+    assert first, "reshard wait printed nothing"
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
+    err = first + err
     assert proc.returncode == 130, err
     assert f"job {job_id} keeps running; `reshard cancel {job_id}` stops it" in err
     assert "Traceback" not in err
