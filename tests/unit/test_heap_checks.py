@@ -22,7 +22,11 @@ from tests.support.heap import heap_error
 REPO = Path(__file__).resolve().parents[2]
 
 # Two freed chunks in one tcache bin, then a write into the first (a use after free): the
-# next mallocs of that size follow the overwritten link.
+# next mallocs of that size follow the overwritten link. glibc stores that link XORed with
+# its own address >> 12 (safe-linking); the write is chosen so that the link glibc reads
+# back is always misaligned (0x...41), whatever the address: glibc aborts with its message
+# every time (plain 0x41 bytes read back aligned, 1 run in 16, and the process segfaulted
+# silently).
 USE_AFTER_FREE = textwrap.dedent(
     """
     import ctypes
@@ -30,7 +34,7 @@ USE_AFTER_FREE = textwrap.dedent(
     libc.malloc.restype = ctypes.c_void_p
     a, b = libc.malloc(200), libc.malloc(200)
     libc.free(ctypes.c_void_p(b)); libc.free(ctypes.c_void_p(a))
-    ctypes.memset(a, 0x41, 8)
+    ctypes.c_uint64.from_address(a).value = (a >> 12) ^ 0x4141414141414141
     libc.malloc(200); libc.malloc(200)
     print("survived")
     """
