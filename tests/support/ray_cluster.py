@@ -48,6 +48,7 @@ class RayCluster:
             "--disable-usage-stats",
         )
         if head.returncode != 0:
+            self.stop()  # what a half-started head left (its GCS, dashboard, monitor)
             raise RuntimeError(f"ray start --head failed: {head.stderr[-2000:]}")
         m = re.search(r"--address='([^']+)'", head.stdout + head.stderr)
         self.gcs = m.group(1) if m else f"127.0.0.1:{self.port}"
