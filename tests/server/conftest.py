@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,8 +154,15 @@ def ray_cluster(tmp_path_factory):
         [sys.executable, "-c", "import time; time.sleep(86400)", "raylet", "--gcs-address=x:1"]
     )
     try:
-        with RayCluster(tmp_path_factory.mktemp("ray")) as cluster:
-            yield cluster
+        # a short folder: Ray's AF_UNIX sockets live under it (107 bytes at most), and a
+        # pytest worker's basetemp (.../pytest-N/popen-gw1/ray0/session_.../sockets/...)
+        # is too long for them
+        short = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+        try:
+            with RayCluster(short) as cluster:
+                yield cluster
+        finally:
+            shutil.rmtree(short, ignore_errors=True)
         assert cluster.processes() == [], "the Ray cluster left processes behind"
         assert other.poll() is None, "stopping the test's Ray cluster stopped another process"
     finally:
