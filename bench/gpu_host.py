@@ -187,7 +187,9 @@ def main() -> None:
                 opt.step()  # the hook: waits for the copies not yet done
             stall = time.perf_counter() - started
             mgr.wait()
-            return stall, time.perf_counter() - started
+            durable = time.perf_counter() - started
+        shutil.rmtree(root, ignore_errors=True)  # tmpfs is memory: one copy at a time
+        return stall, durable
 
     def dcp_async() -> tuple[float, float]:
         shutil.rmtree(f"{dcp_path}-async", ignore_errors=True)
@@ -210,26 +212,33 @@ def main() -> None:
             staged.result()  # the optimizer must not step before: part of the stall
             stall = time.perf_counter() - started
         future.result()
-        return stall, time.perf_counter() - started
+        durable = time.perf_counter() - started
+        shutil.rmtree(f"{dcp_path}-async", ignore_errors=True)
+        return stall, durable
 
     timed: dict[str, list[float]] = {}
-    for _ in range(args.runs):
+
+    def record(run: int, name: str, seconds: float) -> None:
+        timed.setdefault(name, []).append(seconds)
+        _emit(op=name, run=run, seconds=round(seconds, 4))  # each as it comes: a cut run keeps it
+
+    for run in range(args.runs):
         for name, fn in (("save_ours", ours_save), ("save_dcp", dcp_save)):
             started = time.perf_counter()
             fn()
-            timed.setdefault(name, []).append(time.perf_counter() - started)
+            record(run, name, time.perf_counter() - started)
         for name, fn in (("load_ours", ours_load), ("load_dcp", dcp_load)):
             started = time.perf_counter()
             fn()
-            timed.setdefault(name, []).append(time.perf_counter() - started)
+            record(run, name, time.perf_counter() - started)
         for name, two in (
             ("manager", lambda: manager(False)),
             ("overlap", lambda: manager(True)),
             ("dcp_async", dcp_async),
         ):
             stall, durable = two()
-            timed.setdefault(f"{name}_stall", []).append(stall)
-            timed.setdefault(f"{name}_commit", []).append(durable)
+            record(run, f"{name}_stall", stall)
+            record(run, f"{name}_commit", durable)
     for name in ("ours", "dcp"):
         back = dict(target)
         (ours_load if name == "ours" else dcp_load)()
@@ -239,7 +248,7 @@ def main() -> None:
             sys.exit(f"{name}'s load is not bitwise")
     med = {k: statistics.median(v) for k, v in timed.items()}
     for k, v in timed.items():
-        _emit(op=k, seconds=round(med[k], 4), all=[round(x, 4) for x in v])
+        _emit(op=k, median_s=round(med[k], 4), all=[round(x, 4) for x in v])
     gbs = {k: total / v / 1e9 for k, v in med.items() if k.startswith(("save", "load"))}
     summary: dict[str, Any] = {"bench": "gpu_host", "device": args.device, "bytes": total}
     summary.update({f"{k}_gb_s": round(v, 2) for k, v in gbs.items()})
