@@ -37,6 +37,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch.distributed as dist
@@ -197,9 +198,16 @@ class AsyncSaver:
         while self._inflight:
             self._inflight.popleft().result()
 
-    def close(self) -> None:
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Wait for every save in flight, then stop. A failed save's error is raised here
+        unless ``raise_errors`` is false: a caller that reads each save's own future (the
+        checkpoint manager) has reported it already."""
         try:
-            self.wait()
+            if raise_errors:
+                self.wait()
+            else:
+                futures_wait(self._inflight)
+                self._inflight.clear()
         finally:
             self._pool.shutdown(wait=True)
             if self._own_stager:

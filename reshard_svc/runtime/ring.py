@@ -91,7 +91,9 @@ class PinnedRing:
         """``band``'s bytes slot by slot: yields (its bytes, the slot holding them); the
         consumer releases each slot once they are written. A slot is reused only when
         free."""
-        flat = band.detach().reshape(-1).view(torch.uint8)
+        # a strided band (a column slice's rows) is packed where it lives first: its bytes,
+        # not its storage's, and a 0-dim one becomes one element
+        flat = band.detach().contiguous().reshape(-1).view(torch.uint8)
         for start in range(0, flat.numel(), self.slot_bytes):
             with self._turn:
                 slot = self.slots[self._next]

@@ -299,7 +299,7 @@ class PersistentSaves:
         the caller's to :meth:`finish` first)."""
         try:
             if self._saver is not None:
-                self._saver.close()
+                self._saver.close(raise_errors=False)  # finish() reported each step's
         finally:
             self._post.shutdown(wait=True)
             with self._retention:

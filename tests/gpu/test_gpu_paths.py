@@ -19,7 +19,7 @@ DEV = "cuda"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(torch.uint8)
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

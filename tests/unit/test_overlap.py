@@ -104,6 +104,31 @@ def test_a_tensor_changed_before_its_copy_finished_makes_the_step_not_count(
     assert torch.equal(got["model"]["0.weight"], model[0].weight.detach())
 
 
+def test_a_torn_last_step_is_reported_once_and_the_manager_closes_cleanly(
+    tmp_path, monkeypatch, caplog
+):
+    """The job's last save is torn: one warning, the step does not count, and leaving the
+    ``with`` does not raise it again (seen on a GPU host: close re-raised what ``wait``
+    had already reported)."""
+    model, opt = _model()
+    root = str(tmp_path / "root")
+    with caplog.at_level(logging.WARNING, logger="reshard_svc"):
+        with CheckpointManager(root, optimizers=[opt]) as mgr:
+            mgr.save(1, {"model": model.state_dict()})
+            opt.step()
+            mgr.wait()
+            _slow_copies(monkeypatch, 0.5)
+            mgr.save(2, {"model": model.state_dict()})
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # in place, without waiting for the copies
+            mgr.wait()
+            assert mgr.steps() == [1]
+    said = [r.getMessage() for r in caplog.records if "does not count" in r.getMessage()]
+    assert len(said) == 1 and "model.0.weight" in said[0], said
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [1]
+
+
 def test_async_save_with_overlap_refuses_a_torn_snapshot(tmp_path, monkeypatch):
     from reshard_svc.runtime.async_save import AsyncSaver
 
