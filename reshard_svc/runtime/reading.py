@@ -10,6 +10,7 @@ on this rank, from a local file, goes straight into the destination's view.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -22,7 +23,8 @@ import torch
 from reshard_svc.errors import CorruptCheckpointError
 from reshard_svc.format.checksums import BlockStream, BlockTable, Parts
 from reshard_svc.plan.items import Piece, Read
-from reshard_svc.runtime.buffers import tensor_runs
+from reshard_svc.runtime.buffers import tensor_bytes, tensor_runs
+from reshard_svc.runtime.ring import PinnedRing, pinned_ring
 from reshard_svc.storage import Storage
 
 if TYPE_CHECKING:
@@ -304,22 +306,71 @@ class StorageSource:
         self, reads: list[tuple[Read, tuple[Piece, torch.Tensor, list[Any]]]]
     ) -> list[tuple[int, torch.Tensor]]:
         """Each in-place read's id and view: one file's reads after another in file order,
-        the files spread over the reading pool's threads."""
+        the files spread over the reading pool's threads; reads into device tensors cut into
+        slot-sized runs of whole blocks, each run on any thread (through the pinned ring)."""
         by_file: dict[str, list[tuple[Read, tuple[Piece, torch.Tensor, list[Any]]]]] = {}
+        on_device: list[tuple[Read, torch.Tensor]] = []
         for r, target in reads:
-            by_file.setdefault(_file(r), []).append((r, target))
+            if _through_ring(target[1]):
+                on_device.append((r, target[1]))
+            else:
+                by_file.setdefault(_file(r), []).append((r, target))
 
         def one_file(group: list[tuple[Read, tuple[Piece, torch.Tensor, list[Any]]]]) -> Any:
             return [(r.id, self._read_in_place(r, *target)) for r, target in group]
 
         groups = list(by_file.values())
-        threads = min(self.io_threads, len(groups))
+        tasks: list[tuple[Any, ...]] = [(one_file, g) for g in groups]
+        with pinned_ring().session() if on_device else contextlib.nullcontext() as ring:
+            for r, view in on_device:
+                tasks += [
+                    (self._read_to_device, ring, r, view, a, b) for a, b in self._chunks(r, ring)
+                ]
+            done = self._on_pool(tasks, len(tasks))
+        landed = [x for group in done[: len(groups)] for x in group]
+        return landed + [(r.id, view) for r, view in on_device]
+
+    def _on_pool(self, tasks: list[tuple[Any, ...]], width: int) -> list[Any]:
+        """Each ``fn(*args)`` of ``tasks`` on the reading pool (here when one thread does),
+        their results in order; the first error raised once every thread has stopped."""
+        threads = min(self.io_threads, width)
         if threads <= 1:
-            return [x for g in groups for x in one_file(g)]
+            return [fn(*args) for fn, *args in tasks]
         with ThreadPoolExecutor(threads, thread_name_prefix="reshard-read") as pool:
-            futures = [pool.submit(one_file, g) for g in groups]
+            futures = [pool.submit(fn, *args) for fn, *args in tasks]
             wait(futures)  # every thread stops before an error is raised
-            return [x for f in futures for x in f.result()]
+            return [f.result() for f in futures]
+
+    def _chunks(self, r: Read, ring: PinnedRing) -> list[tuple[int, int]]:
+        """``r``'s bytes widened to whole blocks, in runs of whole blocks that fit a slot."""
+        table = self.checked.tables[_file(r)]
+        bs = table.block_size
+        step = ring.slot_bytes - ring.slot_bytes % bs
+        begin, end = table.widen(r.begin, r.end)
+        return [(a, min(end, a + step)) for a in range(begin, end, step)]
+
+    def _read_to_device(
+        self, ring: PinnedRing, r: Read, view: torch.Tensor, a: int, b: int
+    ) -> None:
+        """File bytes ``[a, b)`` (whole blocks) into a slot of the ring, each block checked
+        there, then the part inside ``r`` copied to its place in ``view`` (on the device)."""
+        file = _file(r)
+        table = self.checked.tables[file]
+        slot = ring.take()
+        try:
+            data = tensor_bytes(slot.buf[: b - a])
+            with self.storage.positional(file) as readv:
+                readv(a, [data])
+            checked = table.check(a, data)
+            lo, hi = max(a, r.begin), min(b, r.end)
+            dst = view.reshape(-1).view(torch.uint8)[lo - r.begin : hi - r.begin]
+            if hi > lo:
+                ring.to_device(slot, lo - a, dst)
+        finally:
+            slot.release()
+        with self._count:
+            self.checked.bytes_checked += checked
+            self.checked.bytes_fetched += checked
 
     def _in_place_target(
         self, r: Read, parts: Sequence[Piece], dest: Destination
@@ -337,6 +388,13 @@ class StorageSource:
         view = dest.view(own[0])
         if view is None or view.dtype != self.dtypes[r.tensor]:
             return None
+        if _through_ring(view):  # device memory: through the pinned ring, checked on the pool
+            ok = (
+                table is not None
+                and view.is_contiguous()
+                and pinned_ring().slot_bytes >= table.block_size
+            )
+            return (own[0], view, []) if ok else None
         runs = tensor_runs(view)
         if runs is None:
             return None
@@ -419,3 +477,8 @@ def _land_checked(readv: Any, stream: BlockStream, start: int, runs: list[Any]) 
                 pos, size, batch = pos + size, 0, []
     if batch:
         flush()
+
+
+def _through_ring(view: torch.Tensor) -> bool:
+    """Whether a destination is filled through the pinned ring (it is not on the CPU)."""
+    return view.device.type != "cpu"

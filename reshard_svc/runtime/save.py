@@ -37,7 +37,7 @@ from reshard_svc.plan.items import Holdings
 from reshard_svc.plan.save import FileSpec, SavePlan, plan_save
 from reshard_svc.runtime.buffers import BackgroundWriter, tensor_bytes
 from reshard_svc.runtime.comm import Comm
-from reshard_svc.runtime.io_pool import WritePool
+from reshard_svc.runtime.io_pool import TASK, WritePool
 from reshard_svc.runtime.ring import RingSlot, pinned_ring
 from reshard_svc.runtime.state_dict import flatten
 from reshard_svc.runtime.targets import (
@@ -70,18 +70,22 @@ WRITE_BAND_BYTES = 64 * 1024 * 1024
 WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
 
-def box_bands(view: torch.Tensor) -> list[torch.Tensor]:
-    """A box's data as contiguous CPU row bands of at most WRITE_BAND_BYTES (views when the
-    box is already contiguous on the CPU; one band is copied at a time otherwise)."""
+def box_bands(view: torch.Tensor, band_bytes: int = WRITE_BAND_BYTES) -> list[torch.Tensor]:
+    """A box's data as row bands of at most ``band_bytes`` (one row where a row is
+    longer): views, made contiguous (or moved through the pinned ring) one at a time by
+    their writer."""
     if view.dim() == 0 or view.numel() == 0:
         return [view]
     row = max(1, view[0].numel() * view.element_size())
-    step = max(1, WRITE_BAND_BYTES // row)
+    step = max(1, band_bytes // row)
     return [view[i : i + step] for i in range(0, view.shape[0], step)]
 
 
 def _file_data(
-    spec: FileSpec, placed: dict[str, Placed], crcs: dict[tuple[str, Box], int]
+    spec: FileSpec,
+    placed: dict[str, Placed],
+    crcs: dict[tuple[str, Box], int],
+    band_bytes: int = WRITE_BAND_BYTES,
 ) -> Iterator[tuple[int, memoryview, Any]]:
     """Each band of the file's boxes as (file offset, its bytes, what holds them: a tensor,
     or a slot of the pinned ring to release once written), in file order; the CRC32C of
@@ -94,7 +98,7 @@ def _file_data(
         if view is None:  # the plan only assigns boxes to their holders
             raise CheckpointError(f"rank holds no data for {name!r} box {box}")
         crc = 0 if (name, box) in crcs else None
-        for band in box_bands(view.detach()):
+        for band in box_bands(view.detach(), band_bytes):
             pieces: Iterable[tuple[memoryview, Any]]
             if _through_ring(band):  # device memory: through the pinned ring, never pageable
                 pieces = pinned_ring().pieces(band)
@@ -150,14 +154,15 @@ def write_files_pooled(
     crcs: dict[tuple[str, Box], int],
 ) -> list[list[Any]]:
     """Write files with the pool's threads, each range at its planned offset, the files at
-    once (:mod:`reshard_svc.runtime.io_pool`: their ranges are queued in turn, so every
-    lane has work); as :func:`write_file` otherwise."""
+    once (:mod:`reshard_svc.runtime.io_pool`: their ranges are queued in turn, a task's
+    worth at a time, so every lane has work within the queue's bytes); as
+    :func:`write_file` otherwise."""
     sizes = [(spec.name, spec.size) for spec in specs]
     with pool.files(staging, sizes, checksum, DEFAULT_BLOCK_SIZE) as outs:
         feeds = []
         for spec, out in zip(specs, outs):
             out.put(0, memoryview(spec.header))
-            feeds.append((out, _file_data(spec, placed, crcs)))
+            feeds.append((out, _file_data(spec, placed, crcs, band_bytes=TASK)))
         while feeds:
             for entry in list(feeds):
                 out, data = entry

@@ -40,15 +40,25 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 7])
-def test_save_and_load_cuda_state_bitwise(tmp_path, threads):
+def test_save_and_load_cuda_state_bitwise(tmp_path, monkeypatch, threads):
+    """The big tensors come back through the pinned ring (read and checked in a slot, then
+    copied to the device on a side stream), the small ones mapped and copied."""
+    from reshard_svc.runtime.reading import StorageSource
+
+    runs = []
+    real = StorageSource._read_to_device
+    monkeypatch.setattr(
+        StorageSource, "_read_to_device", lambda self, *a: runs.append(a[2:]) or real(self, *a)
+    )
     state = _state(threads)
     root = str(tmp_path / "ckpt")
     reshard_svc.save(state, root, io_threads=threads)
     assert reshard_svc.verify(root).ok
     back = {k: torch.empty_like(v) for k, v in state.items()}
-    reshard_svc.load(back, root)
+    reshard_svc.load(back, root, io_threads=threads)
     for k, v in state.items():
         assert back[k].device.type == "cuda" and _same(back[k], v), k
+    assert len(runs) >= 2, runs
 
 
 def test_async_save_stages_cuda_state_in_pinned_buffers(tmp_path):
@@ -174,3 +184,23 @@ def test_a_sync_save_moves_device_bands_through_one_pinned_ring(tmp_path):
     back = {k: torch.empty_like(v) for k, v in state.items()}
     reshard_svc.load(back, str(tmp_path / "4"))
     assert all(_same(back[k], v) for k, v in state.items())
+
+
+def test_a_bad_block_loaded_into_cuda_tensors_is_named_and_frees_the_ring(tmp_path):
+    import os
+
+    from reshard_svc.runtime.ring import pinned_ring
+
+    state = {"w": torch.randn(4096, 1024, device=DEV)}  # 16 MiB: two slots and more
+    root = str(tmp_path / "ckpt")
+    reshard_svc.save(state, root)
+    (name,) = [f for f in os.listdir(root) if f.endswith(".safetensors")]
+    with open(os.path.join(root, name), "r+b") as f:
+        f.seek(9 * (1 << 20) + 5)
+        byte = f.read(1)
+        f.seek(9 * (1 << 20) + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    back = {"w": torch.zeros_like(state["w"])}
+    with pytest.raises(reshard_svc.ChecksumError, match=r"\(block 9\) fail"):
+        reshard_svc.load(back, root, io_threads=4)
+    assert all(s.free.is_set() for s in pinned_ring().slots)

@@ -419,3 +419,57 @@ def test_strided_and_zero_dim_bands_go_through_the_ring(tmp_path, through_a_smal
     reshard_svc.save(state, root, io_threads=2)
     _assert_saved_whole(root, state)
     assert all(slot.free.is_set() for slot in through_a_small_ring.slots)
+
+
+@pytest.fixture
+def loading_through_a_small_ring(monkeypatch, through_a_small_ring):
+    """Loads fill their destinations as device tensors are filled: each read cut into
+    slot-sized runs of whole blocks, read and checked in a slot on the reading pool, then
+    copied out (CPU destinations here). Counts the runs each thread read."""
+    from reshard_svc.runtime import reading
+
+    monkeypatch.setattr(reading, "_through_ring", lambda view: True)
+    runs: list[str] = []
+    real = reading.StorageSource._read_to_device
+
+    def spy(self, ring, r, view, a, b):
+        runs.append(threading.current_thread().name.split("_")[0])
+        return real(self, ring, r, view, a, b)
+
+    monkeypatch.setattr(reading.StorageSource, "_read_to_device", spy)
+    return through_a_small_ring, runs
+
+
+@pytest.mark.parametrize("threads", [1, 2, 7])
+def test_a_load_through_the_ring_is_bitwise_and_frees_every_slot(
+    tmp_path, monkeypatch, loading_through_a_small_ring, threads
+):
+    ring, runs = loading_through_a_small_ring
+    root, state = _three_files(tmp_path, monkeypatch)
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    reshard_svc.load(back, root, io_threads=threads)
+    for k, v in state.items():
+        assert torch.equal(_bytes(back[k]), _bytes(v)), k
+    assert len(runs) >= 6  # the big reads, a block per run (1 MiB slots)
+    assert set(runs) == ({"MainThread"} if threads == 1 else {"reshard-read"}), runs
+    assert all(slot.free.is_set() for slot in ring.slots)
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-read")]
+
+
+def test_a_bad_block_read_through_the_ring_names_it_and_frees_every_slot(
+    tmp_path, monkeypatch, loading_through_a_small_ring
+):
+    ring, runs = loading_through_a_small_ring
+    root, state = _three_files(tmp_path, monkeypatch)
+    index = json.loads(open(os.path.join(root, "reshard.index.json")).read())
+    name = sorted(index["files"])[0]
+    with open(os.path.join(root, name), "r+b") as f:
+        f.seek(2 * DEFAULT_BLOCK_SIZE + 7)
+        byte = f.read(1)
+        f.seek(2 * DEFAULT_BLOCK_SIZE + 7)
+        f.write(bytes([byte[0] ^ 0x01]))
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(reshard_svc.ChecksumError, match=rf"{name}: bytes .* \(block 2\) fail"):
+        reshard_svc.load(back, root, io_threads=3)
+    assert runs and all(slot.free.is_set() for slot in ring.slots)
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-read")]
