@@ -12,10 +12,13 @@ Then, each ``--runs`` times, the systems interleaved (medians reported):
   ``dcp.save`` with ``FileSystemWriter(thread_count=16)``;
 * load from ``--dir`` into GPU tensors: ``reshard_svc.load`` (every block checked) against
   ``dcp.load``;
+* sync save to ``--disk``, fsynced: ours against ``dcp.save`` (16 threads);
 * the training stall and the time to durable of a background save:
   ``CheckpointManager.save`` (stall: until it returns; commit: until ``wait`` returns) and
   in overlap mode (``optimizers=``: the stall is the save call plus the optimizer hook's
-  wait) against ``dcp.async_save`` (with ``DefaultStager`` where torch has it).
+  wait after ``--compute`` seconds of forward/backward, kernels on the current stream)
+  against ``dcp.async_save`` (with ``DefaultStager`` where torch has it; its stall ends
+  when staging does: the optimizer must not step before).
 
 ``--device cpu`` runs the same cases on CPU tensors (no device copies): a smoke run on a
 machine without a GPU. Prints one JSON object per measurement, then a summary with each
@@ -23,6 +26,7 @@ figure beside its floor and DCP's (``_over_floor``, ``_over_dcp``).
 
     python bench/gpu_host.py [--gib 8] [--runs 3] [--dir /dev/shm/reshard-gpu-bench]
                              [--disk /tmp/reshard-gpu-bench] [--device auto|cuda|cpu]
+                             [--compute 0.5]
 """
 
 from __future__ import annotations
@@ -121,6 +125,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm/reshard-gpu-bench", help="tmpfs folder")
     ap.add_argument("--disk", default="/tmp/reshard-gpu-bench", help="a local disk folder")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument(
+        "--compute", type=float, default=0.5, help="seconds of forward/backward (overlap mode)"
+    )
     args = ap.parse_args()
 
     import torch
@@ -165,6 +172,14 @@ def main() -> None:
         shutil.rmtree(dcp_path, ignore_errors=True)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_path, thread_count=16))
 
+    def disk_ours() -> None:  # fsynced: durable when it returns
+        shutil.rmtree(f"{args.disk}/ours", ignore_errors=True)
+        reshard_svc.save(state, f"{args.disk}/ours")
+
+    def disk_dcp() -> None:  # FileSystemWriter fsyncs its files (sync_files=True)
+        shutil.rmtree(f"{args.disk}/dcp", ignore_errors=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{args.disk}/dcp", thread_count=16))
+
     def ours_load() -> None:
         reshard_svc.load(target, ours_path)
         sync()
@@ -176,16 +191,29 @@ def main() -> None:
     model = torch.nn.Linear(8, 8, device=args.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # steps change nothing we save
 
-    def manager(overlap: bool) -> tuple[float, float]:
-        root = f"{args.dir}/mgr-{int(overlap)}"
+    def compute(seconds: float) -> None:
+        """The job's forward and backward between ``save`` and ``optimizer.step``: kernels
+        on the current stream (the copies run beside them on the side stream)."""
+        if args.device == "cuda":
+            torch.cuda._sleep(int(seconds * 1.98e9))  # cycles at the H100/H200 boost clock
+            torch.cuda.synchronize()
+        else:
+            time.sleep(seconds)
+
+    def manager(overlap: bool, root: str, disk: bool = False) -> tuple[float, float]:
+        """The training stall and the time to durable of one manager save. In overlap
+        mode the stall is what the job loses: the save call, then (after ``--compute``
+        seconds of forward/backward) the optimizer hook's wait for copies not yet done."""
         shutil.rmtree(root, ignore_errors=True)
         with reshard_svc.CheckpointManager(root, optimizers=[opt] if overlap else ()) as mgr:
             sync()
             started = time.perf_counter()
             mgr.save(1, state)
-            if overlap:
-                opt.step()  # the hook: waits for the copies not yet done
             stall = time.perf_counter() - started
+            if overlap:
+                compute(args.compute)
+                opt.step()  # the hook: waits for the copies not yet done
+                stall += mgr.last_wait_s
             mgr.wait()
             durable = time.perf_counter() - started
         shutil.rmtree(root, ignore_errors=True)  # tmpfs is memory: one copy at a time
@@ -231,9 +259,13 @@ def main() -> None:
             started = time.perf_counter()
             fn()
             record(run, name, time.perf_counter() - started)
+        for name, fn in (("disk_save_ours", disk_ours), ("disk_save_dcp", disk_dcp)):
+            started = time.perf_counter()
+            fn()
+            record(run, name, time.perf_counter() - started)
         for name, two in (
-            ("manager", lambda: manager(False)),
-            ("overlap", lambda: manager(True)),
+            ("manager", lambda: manager(False, f"{args.dir}/mgr")),
+            ("overlap", lambda: manager(True, f"{args.dir}/mgr")),
             ("dcp_async", dcp_async),
         ):
             stall, durable = two()
@@ -249,13 +281,17 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in timed.items()}
     for k, v in timed.items():
         _emit(op=k, median_s=round(med[k], 4), all=[round(x, 4) for x in v])
-    gbs = {k: total / v / 1e9 for k, v in med.items() if k.startswith(("save", "load"))}
+    gbs = {k: total / v / 1e9 for k, v in med.items() if k.startswith(("save", "load", "disk"))}
     summary: dict[str, Any] = {"bench": "gpu_host", "device": args.device, "bytes": total}
     summary.update({f"{k}_gb_s": round(v, 2) for k, v in gbs.items()})
     summary["save_ours_over_dcp"] = round(gbs["save_ours"] / gbs["save_dcp"], 2)
     summary["load_ours_over_dcp"] = round(gbs["load_ours"] / gbs["load_dcp"], 2)
     summary["save_ours_over_floor"] = round(gbs["save_ours"] / floor["tmpfs_write_16t"], 2)
     summary["load_ours_over_floor"] = round(gbs["load_ours"] / floor["tmpfs_read_16t"], 2)
+    summary["disk_save_ours_over_dcp"] = round(gbs["disk_save_ours"] / gbs["disk_save_dcp"], 2)
+    summary["disk_save_ours_over_floor"] = round(
+        gbs["disk_save_ours"] / floor["disk_fsync_write_16t"], 2
+    )
     if "d2h_pinned" in floor:
         d2h = total / floor["d2h_pinned"] / 1e9
         summary["manager_stall_over_d2h_floor"] = round(med["manager_stall"] / d2h, 2)

@@ -50,7 +50,18 @@ def smoke_flags(script: str, scratch: Path, cmd: list[str] = ()) -> list[str]:
         return ["--size", "small", "--runs", "1", "--ranks", "2", "--dir", str(scratch)]
     if script == "bench/gpu_host.py":  # no GPU here: the same cases on CPU tensors
         disk = str(scratch) + "-disk"
-        return ["--gib", "0.03125", "--runs", "1", "--dir", str(scratch), "--disk", disk]
+        return [
+            "--gib",
+            "0.03125",
+            "--runs",
+            "1",
+            "--compute",
+            "0.05",
+            "--dir",
+            str(scratch),
+            "--disk",
+            disk,
+        ]
     if script == "bench/cli_convert.py":
         return ["--size", "small", "--runs", "1", "--dirs", str(scratch)]
     return ["--size", "small", "--runs", "1", "--dir", str(scratch)]
