@@ -164,21 +164,11 @@ def main() -> None:
     target = {k: torch.empty_like(v) for k, v in state.items()}
     ours_path, dcp_path = f"{args.dir}/ours", f"{args.dir}/dcp"
 
-    def ours_save() -> None:
-        shutil.rmtree(ours_path, ignore_errors=True)
-        reshard_svc.save(state, ours_path)
+    def ours_to(path: str) -> None:  # on local disk: fsynced, durable when it returns
+        reshard_svc.save(state, path)
 
-    def dcp_save() -> None:
-        shutil.rmtree(dcp_path, ignore_errors=True)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_path, thread_count=16))
-
-    def disk_ours() -> None:  # fsynced: durable when it returns
-        shutil.rmtree(f"{args.disk}/ours", ignore_errors=True)
-        reshard_svc.save(state, f"{args.disk}/ours")
-
-    def disk_dcp() -> None:  # FileSystemWriter fsyncs its files (sync_files=True)
-        shutil.rmtree(f"{args.disk}/dcp", ignore_errors=True)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{args.disk}/dcp", thread_count=16))
+    def dcp_to(path: str) -> None:  # FileSystemWriter fsyncs its files (sync_files=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=16))
 
     def ours_load() -> None:
         reshard_svc.load(target, ours_path)
@@ -251,18 +241,22 @@ def main() -> None:
         _emit(op=name, run=run, seconds=round(seconds, 4))  # each as it comes: a cut run keeps it
 
     for run in range(args.runs):
-        for name, fn in (("save_ours", ours_save), ("save_dcp", dcp_save)):
+        saves = (("save_ours", ours_path, ours_to), ("save_dcp", dcp_path, dcp_to))
+        for name, path, to in saves:
+            shutil.rmtree(path, ignore_errors=True)  # freeing the last copy is not timed
             started = time.perf_counter()
-            fn()
+            to(path)
             record(run, name, time.perf_counter() - started)
         for name, fn in (("load_ours", ours_load), ("load_dcp", dcp_load)):
             started = time.perf_counter()
             fn()
             record(run, name, time.perf_counter() - started)
-        for name, fn in (("disk_save_ours", disk_ours), ("disk_save_dcp", disk_dcp)):
+        for name, path, to in saves:
+            path = f"{args.disk}/{path.rsplit('/', 1)[1]}"
+            shutil.rmtree(path, ignore_errors=True)
             started = time.perf_counter()
-            fn()
-            record(run, name, time.perf_counter() - started)
+            to(path)
+            record(run, f"disk_{name}", time.perf_counter() - started)
         for name, two in (
             ("manager", lambda: manager(False, f"{args.dir}/mgr")),
             ("overlap", lambda: manager(True, f"{args.dir}/mgr")),

@@ -4,8 +4,9 @@ byte ranges at the offsets the plan fixed before any byte moved.
 A safetensors file's header, and so every tensor's offset in it, is known before a byte is
 written (:mod:`reshard_svc.plan.save`, which also spreads a rank's boxes over one file per
 I/O thread). :meth:`PooledFile.put` cuts a range into tasks of about :data:`TASK` bytes at
-the file's checksum-block bounds; a task sums each block piece (CRC32C) and writes it with
-``pwrite`` while it is still in cache. Each thread is a *lane*, and a file's tasks go to
+the file's checksum-block bounds; a task sums each block piece (CRC32C), then writes its
+bytes with one ``pwrite`` (a lane hands the interpreter lock over a few times per task,
+not per block: sixteen lanes and the producer share it). Each thread is a *lane*, and a file's tasks go to
 its own lanes (a file per lane when there are as many files as threads: writers of one
 file would share its lock). :meth:`PooledFile.close` builds the file's block CRC32Cs from
 the parts in file order (a block two ranges share is combined, never summed twice); the
@@ -175,10 +176,12 @@ class PooledFile:
         data: memoryview,
         keep: Any = None,
         done: Callable[[], None] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Queue ``data`` (bytes of the file from ``offset``); ``keep`` is held until
         its tasks are done, then ``done()`` runs (on the lane that finished last, even
-        after an error)."""
+        after an error). ``ready()``, where given, is called by each task before it reads
+        the bytes (a copy into them still in flight)."""
         view = memoryview(data).cast("B")
         if offset < 0 or offset + view.nbytes > self.size:
             raise CheckpointError(
@@ -194,23 +197,30 @@ class PooledFile:
                 min(len(self.lanes) - 1, (offset + at) * len(self.lanes) // self.size)
             ]
             tasks.append(
-                self.pool.submit(lane, take, self._task, offset + at, view[at : at + take], keep)
+                self.pool.submit(
+                    lane, take, self._task, offset + at, view[at : at + take], keep, ready
+                )
             )
             at += take
         self._tasks += tasks
         if done is not None:
             _when_all_done(tasks, done)
 
-    def _task(self, offset: int, data: memoryview, keep: Any) -> Parts:
+    def _task(
+        self, offset: int, data: memoryview, keep: Any, ready: Callable[[], None] | None
+    ) -> Parts:
+        """Sum each block piece of ``data``, then write it in one call (few handovers of
+        the interpreter lock: sixteen lanes share it)."""
+        if ready is not None:
+            ready()
         parts: Parts = []
         bs, pos, n = self.block_size, 0, data.nbytes
         while pos < n:
             at = offset + pos
             take = min(bs - at % bs, n - pos)
-            piece = data[pos : pos + take]
-            parts.append((at, take, crc32c(piece) if self.summing else 0))
-            self.pwrite(at, piece)
+            parts.append((at, take, crc32c(data[pos : pos + take]) if self.summing else 0))
             pos += take
+        self.pwrite(offset, data)
         return parts
 
     def close(self) -> list[Any]:

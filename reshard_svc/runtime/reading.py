@@ -323,8 +323,9 @@ class StorageSource:
         tasks: list[tuple[Any, ...]] = [(one_file, g) for g in groups]
         with pinned_ring().session() if on_device else contextlib.nullcontext() as ring:
             for r, view in on_device:
+                flat = view.reshape(-1).view(torch.uint8)
                 tasks += [
-                    (self._read_to_device, ring, r, view, a, b) for a, b in self._chunks(r, ring)
+                    (self._read_to_device, ring, r, flat, a, b) for a, b in self._chunks(r, ring)
                 ]
             done = self._on_pool(tasks, len(tasks))
         landed = [x for group in done[: len(groups)] for x in group]
@@ -350,10 +351,11 @@ class StorageSource:
         return [(a, min(end, a + step)) for a in range(begin, end, step)]
 
     def _read_to_device(
-        self, ring: PinnedRing, r: Read, view: torch.Tensor, a: int, b: int
+        self, ring: PinnedRing, r: Read, flat: torch.Tensor, a: int, b: int
     ) -> None:
         """File bytes ``[a, b)`` (whole blocks) into a slot of the ring, each block checked
-        there, then the part inside ``r`` copied to its place in ``view`` (on the device)."""
+        there, then the part inside ``r`` copied to its place in ``flat`` (the destination's
+        bytes, on the device)."""
         file = _file(r)
         table = self.checked.tables[file]
         slot = ring.take()
@@ -363,9 +365,8 @@ class StorageSource:
                 readv(a, [data])
             checked = table.check(a, data)
             lo, hi = max(a, r.begin), min(b, r.end)
-            dst = view.reshape(-1).view(torch.uint8)[lo - r.begin : hi - r.begin]
             if hi > lo:
-                ring.to_device(slot, lo - a, dst)
+                ring.to_device(slot, lo - a, flat[lo - r.begin : hi - r.begin])
         finally:
             slot.release()
         with self._count:

@@ -48,6 +48,13 @@ class RingSlot:
         self.free = threading.Event()
         self.free.set()
         self._ring = ring
+        self._copied: Any = None  # the CUDA event of a copy into the slot not yet waited for
+
+    def wait(self) -> None:
+        """Return once the slot's bytes are there (a deferred copy from the device done)."""
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            copied.synchronize()
 
     def release(self) -> None:
         with self._ring._changed:
@@ -116,22 +123,29 @@ class PinnedRing:
         side.wait_stream(torch.cuda.current_stream(device))
         return side
 
-    def pieces(self, band: torch.Tensor) -> Iterator[tuple[memoryview, RingSlot]]:
+    def pieces(
+        self, band: torch.Tensor, *, deferred: bool = False
+    ) -> Iterator[tuple[memoryview, RingSlot]]:
         """``band``'s bytes slot by slot: yields (its bytes, the slot holding them); the
         consumer releases each slot once they are written. A slot is reused only when
-        free."""
+        free. ``deferred``: the copy from the device is only queued; whoever reads the
+        bytes calls :meth:`RingSlot.wait` first (the pool's lane does, so the producer
+        never waits on a copy)."""
         # a strided band (a column slice's rows) is packed where it lives first: its bytes,
         # not its storage's, and a 0-dim one becomes one element
         flat = band.detach().contiguous().reshape(-1).view(torch.uint8)
+        side = self.stream(flat.device) if flat.device.type == "cuda" else None
         for start in range(0, flat.numel(), self.slot_bytes):
             slot = self.take()
             n = min(self.slot_bytes, flat.numel() - start)
             dst = slot.buf[:n]
-            if flat.device.type == "cuda":
-                side = self.stream(flat.device)
+            if side is not None:
                 with torch.cuda.stream(side):
                     dst.copy_(flat[start : start + n], non_blocking=self.pinned)
-                side.synchronize()
+                    slot._copied = torch.cuda.Event()
+                    slot._copied.record(side)
+                if not deferred:
+                    slot.wait()
             else:
                 dst.copy_(flat[start : start + n])
             yield tensor_bytes(dst), slot

@@ -86,12 +86,15 @@ def _file_data(
     placed: dict[str, Placed],
     crcs: dict[tuple[str, Box], int],
     band_bytes: int = WRITE_BAND_BYTES,
+    deferred: bool = False,
 ) -> Iterator[tuple[int, memoryview, Any]]:
     """Each band of the file's boxes as (file offset, its bytes, what holds them: a tensor,
     or a slot of the pinned ring to release once written), in file order; the CRC32C of
     each box in ``crcs`` (a replicated one) is set from the same bands on the way. Bands
     of contiguous CPU boxes are views; other CPU bands are copied one at a time; device
-    bands go through the pinned ring (:class:`~reshard_svc.runtime.ring.PinnedRing`)."""
+    bands go through the pinned ring (:class:`~reshard_svc.runtime.ring.PinnedRing`);
+    ``deferred``: their copies are only queued, and the consumer waits for each
+    (:func:`_ready`) before reading its bytes."""
     at = len(spec.header)
     for name, box in spec.entries:
         view = placed[name].local.get(box)
@@ -101,7 +104,7 @@ def _file_data(
         for band in box_bands(view.detach(), band_bytes):
             pieces: Iterable[tuple[memoryview, Any]]
             if _through_ring(band):  # device memory: through the pinned ring, never pageable
-                pieces = pinned_ring().pieces(band)
+                pieces = pinned_ring().pieces(band, deferred=deferred and crc is None)
             else:
                 band = band.contiguous()
                 pieces = [(tensor_bytes(band), band)]
@@ -122,6 +125,11 @@ def _through_ring(band: torch.Tensor) -> bool:
 def _released(keep: Any) -> Callable[[], None] | None:
     """What frees ``keep`` once its bytes are written: a ring slot's release."""
     return keep.release if isinstance(keep, RingSlot) else None
+
+
+def _ready(keep: Any) -> Callable[[], None] | None:
+    """What to wait for before reading ``keep``'s bytes: a ring slot's copy."""
+    return keep.wait if isinstance(keep, RingSlot) else None
 
 
 def write_file(
@@ -162,7 +170,7 @@ def write_files_pooled(
         feeds = []
         for spec, out in zip(specs, outs):
             out.put(0, memoryview(spec.header))
-            feeds.append((out, _file_data(spec, placed, crcs, band_bytes=TASK)))
+            feeds.append((out, _file_data(spec, placed, crcs, band_bytes=TASK, deferred=True)))
         while feeds:
             for entry in list(feeds):
                 out, data = entry
@@ -170,7 +178,8 @@ def write_files_pooled(
                 if band is None:
                     feeds.remove(entry)
                 else:
-                    out.put(band[0], band[1], keep=band[2], done=_released(band[2]))
+                    at, data, keep = band
+                    out.put(at, data, keep=keep, done=_released(keep), ready=_ready(keep))
         return [out.close() for out in outs]
 
 

@@ -58,7 +58,7 @@ def test_save_and_load_cuda_state_bitwise(tmp_path, monkeypatch, threads):
     reshard_svc.load(back, root, io_threads=threads)
     for k, v in state.items():
         assert back[k].device.type == "cuda" and _same(back[k], v), k
-    assert len(runs) >= 2, runs
+    assert runs, "no read came back through the ring"
 
 
 def test_async_save_stages_cuda_state_in_pinned_buffers(tmp_path):

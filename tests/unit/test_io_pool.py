@@ -432,9 +432,9 @@ def loading_through_a_small_ring(monkeypatch, through_a_small_ring):
     runs: list[str] = []
     real = reading.StorageSource._read_to_device
 
-    def spy(self, ring, r, view, a, b):
+    def spy(self, ring, r, flat, a, b):
         runs.append(threading.current_thread().name.split("_")[0])
-        return real(self, ring, r, view, a, b)
+        return real(self, ring, r, flat, a, b)
 
     monkeypatch.setattr(reading.StorageSource, "_read_to_device", spy)
     return through_a_small_ring, runs
@@ -473,3 +473,22 @@ def test_a_bad_block_read_through_the_ring_names_it_and_frees_every_slot(
         reshard_svc.load(back, root, io_threads=3)
     assert runs and all(slot.free.is_set() for slot in ring.slots)
     assert not [t for t in threading.enumerate() if t.name.startswith("reshard-read")]
+
+
+def test_a_task_waits_for_its_bytes_before_it_sums_and_writes_them(tmp_path):
+    """A device copy into a ring slot is only queued when the slot is handed to the pool:
+    each task calls ``ready`` before reading (here ``ready`` is what fills the bytes)."""
+    from reshard_svc.storage import open_storage
+
+    size = 3 * DEFAULT_BLOCK_SIZE + 11
+    want = os.urandom(size)
+    buf = bytearray(size)  # still empty when put
+    storage = open_storage(str(tmp_path / "files"))
+    with io_pool.WritePool(3, 1 << 30) as pool:
+        with pool.files(storage, [("f.bin", size)], "crc32c", DEFAULT_BLOCK_SIZE) as (out,):
+            out.put(0, memoryview(buf), ready=lambda: buf.__setitem__(slice(None), want))
+            name, n, sums = out.close()
+    assert open(tmp_path / "files" / "f.bin", "rb").read() == want
+    assert bytes.fromhex(sums["blocks"]) == b"".join(
+        c.to_bytes(4, "big") for c in _direct_blocks(str(tmp_path / "files" / "f.bin"))
+    )
