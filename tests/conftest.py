@@ -4,12 +4,16 @@ through the environment (so spawned workers and servers reach it too)."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import fsspec
 import fsspec.config
@@ -24,17 +28,66 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 # ---- the suite on several pytest workers (``make test``: pytest-xdist, ``--dist loadscope``)
 
+#: A fixture of module, class or package scope: that module's tests share it.
+_SCOPED = re.compile(r"""scope=["'](module|class|package)["']""")
+#: Session fixtures that stand for the one cluster of its kind a host runs.
+_CLUSTERS = ("slurm", "ray_cluster")
+
+
+@functools.cache
+def _unit(rootdir: str, module: str) -> str | None:
+    """The unit a module's tests are handed out in: the cluster they use (every module on
+    it goes to one worker, so the host runs it once), the module (it shares a scoped
+    fixture), or None (each test on its own)."""
+    try:
+        text = Path(rootdir, module).read_text()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError):
+        return module  # not a file we can read: keep it whole
+    args = {
+        a.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for a in node.args.args
+    }
+    for cluster in _CLUSTERS:
+        if cluster in args:
+            return f"the {cluster} cluster"
+    return module if _SCOPED.search(text) else None
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope``, by what tests share (:func:`_unit`): a module that shares a
+    fixture stays on one worker, in order, and so do all the modules on one cluster; every
+    other test goes to whichever worker is free (a module of long, independent cases, such
+    as the bench smoke runs, no longer queues on one worker)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    rootdir = str(config.rootpath)
+
+    class ByWhatIsShared(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(rootdir, nodeid.split("::", 1)[0]) or nodeid
+
+    return ByWhatIsShared(config, log)
+
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (whose workers collect; ``loadscope`` gives each module to one
-    worker, so a module's shared launch and a session's cluster start once per module):
-    the modules with slow tests are handed out first, so no long one starts last while the
-    other worker idles. Each module's tests stay together and in their order; every worker
-    sorts alike."""
+    """Under pytest-xdist (whose workers collect, each sorting alike): the slow tests are
+    handed out first, then the rest of their modules, so no long one starts last while
+    the other worker idles (``make test`` keeps this order: ``--no-loadscope-reorder``). A
+    module's tests keep their order among themselves."""
     if not hasattr(config, "workerinput"):
         return
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slow") is None,
+            item.module.__name__ not in slow,
+        )
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
