@@ -15,6 +15,7 @@ import pytest
 
 from reshard_client import ReshardClient
 from reshard_client.errors import Forbidden, NotFound, QueueFull, Unauthorized
+from reshard_server.api.deps import REFUSAL_AUDIT_INTERVAL_S
 from reshard_server.auth import AuthFile, AuthFileError, Principal, parse
 from reshard_server.db import JobRow
 from reshard_server.jobs import fair_order
@@ -128,6 +129,8 @@ def test_each_user_sees_and_touches_only_their_own(users, tmp_path):
     bob_id = tok["bob"].split("_")[1]
     r = token_cli(auth, "revoke", bob_id)
     assert r.returncode == 0, r.stderr
+    last = max(e.seq for e in server.client().audit(limit=1000).items)
+    started = time.monotonic()
     with pytest.raises(Unauthorized):
         bob.list()
     for _ in range(20):  # a flood of bad tokens: refused, and audited once per address
@@ -135,8 +138,11 @@ def test_each_user_sees_and_touches_only_their_own(users, tmp_path):
             httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": "Bearer x"}).status_code
             == 401
         )
-    refusals = [e for e in server.client().audit(limit=1000).items if e.action == "authenticate"]
-    assert 1 <= len(refusals) <= 2
+    windows = int((time.monotonic() - started) // REFUSAL_AUDIT_INTERVAL_S)  # a loaded host
+    audited = [e for e in server.client().audit(limit=1000).items if e.action == "authenticate"]
+    assert audited, "no refused token was audited"
+    refusals = [e for e in audited if e.seq > last]
+    assert len(refusals) <= 1 + windows, (len(refusals), windows)  # 21 refused, few audited
     listed = token_cli(auth, "list", "--json")
     assert '"bob"' in listed.stdout and bob_id not in listed.stdout
 
