@@ -72,6 +72,19 @@ def _slow_copies(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(staging, "_copy_then", slow)
 
 
+def _whole_then_torn(mgr, model, opt, monkeypatch) -> None:
+    """Step 1 saved whole (the optimizer's hook waits for its copies); step 2's copies
+    slowed down and a weight changed in place before they finish."""
+    mgr.save(1, {"model": model.state_dict()})
+    opt.step()  # waits: step 1 is whole
+    mgr.wait()
+    _slow_copies(monkeypatch, 0.5)
+    mgr.save(2, {"model": model.state_dict()})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # in place, without waiting for the copies
+    mgr.wait()
+
+
 def test_a_tensor_changed_before_its_copy_finished_makes_the_step_not_count(
     tmp_path, monkeypatch, caplog
 ):
@@ -80,14 +93,7 @@ def test_a_tensor_changed_before_its_copy_finished_makes_the_step_not_count(
     root = str(tmp_path / "root")
     with caplog.at_level(logging.WARNING, logger="reshard_svc"):
         with CheckpointManager(root, optimizers=[opt], fast=fast) as mgr:
-            mgr.save(1, {"model": model.state_dict()})
-            opt.step()  # waits: step 1 is whole on both tiers
-            mgr.wait()
-            _slow_copies(monkeypatch, 0.5)
-            mgr.save(2, {"model": model.state_dict()})
-            with torch.no_grad():
-                model[0].weight.add_(1.0)  # in place, without waiting for the copies
-            mgr.wait()
+            _whole_then_torn(mgr, model, opt, monkeypatch)
             assert mgr.steps() == [1] and mgr.fast_steps() == [1]
             monkeypatch.undo()
             monkeypatch.setenv("RESHARD_ASYNC_FORK", "0")
@@ -114,14 +120,7 @@ def test_a_torn_last_step_is_reported_once_and_the_manager_closes_cleanly(
     root = str(tmp_path / "root")
     with caplog.at_level(logging.WARNING, logger="reshard_svc"):
         with CheckpointManager(root, optimizers=[opt]) as mgr:
-            mgr.save(1, {"model": model.state_dict()})
-            opt.step()
-            mgr.wait()
-            _slow_copies(monkeypatch, 0.5)
-            mgr.save(2, {"model": model.state_dict()})
-            with torch.no_grad():
-                model[0].weight.add_(1.0)  # in place, without waiting for the copies
-            mgr.wait()
+            _whole_then_torn(mgr, model, opt, monkeypatch)
             assert mgr.steps() == [1]
     said = [r.getMessage() for r in caplog.records if "does not count" in r.getMessage()]
     assert len(said) == 1 and "model.0.weight" in said[0], said
