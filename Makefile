@@ -12,11 +12,11 @@ PYTEST_ARGS ?=
 # while another thread holds its lock hangs: tests/unit/test_heap_checks.py).
 HEAP_CHECKS ?= MALLOC_PERTURB_=165
 # pytest workers (pytest-xdist): the suite waits on servers, schedulers and launches much of
-# the time (two workers kept a 2-core machine 63 % busy over a fresh-clone run), so three
-# keep it busier. 0 runs it in this one process.
+# the time, so two workers keep a 2-core machine busy (a fresh-clone run: 63 % busy with
+# two; three were slower, the CPUs full while the slow tests ran). 0: in this one process.
 # --dist loadscope: units drawn by tests/conftest.py from what tests share (a module with a
 # scoped fixture, or one cluster, stays on one worker; other tests go one by one).
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test lint typecheck bench clean setup
 
