@@ -325,7 +325,8 @@ class StorageSource:
             for r, view in on_device:
                 flat = view.reshape(-1).view(torch.uint8)
                 tasks += [
-                    (self._read_to_device, ring, r, flat, a, b) for a, b in self._chunks(r, ring)
+                    (self._read_to_device, ring, r, flat, a, b)
+                    for a, b in self._chunks(r, pinned_ring().slot_bytes)
                 ]
             done = self._on_pool(tasks, len(tasks))
         landed = [x for group in done[: len(groups)] for x in group]
@@ -342,11 +343,11 @@ class StorageSource:
             wait(futures)  # every thread stops before an error is raised
             return [f.result() for f in futures]
 
-    def _chunks(self, r: Read, ring: PinnedRing) -> list[tuple[int, int]]:
+    def _chunks(self, r: Read, slot_bytes: int) -> list[tuple[int, int]]:
         """``r``'s bytes widened to whole blocks, in runs of whole blocks that fit a slot."""
         table = self.checked.tables[_file(r)]
         bs = table.block_size
-        step = ring.slot_bytes - ring.slot_bytes % bs
+        step = slot_bytes - slot_bytes % bs
         begin, end = table.widen(r.begin, r.end)
         return [(a, min(end, a + step)) for a in range(begin, end, step)]
 

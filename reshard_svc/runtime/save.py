@@ -178,8 +178,8 @@ def write_files_pooled(
                 if band is None:
                     feeds.remove(entry)
                 else:
-                    at, data, keep = band
-                    out.put(at, data, keep=keep, done=_released(keep), ready=_ready(keep))
+                    at, piece, keep = band
+                    out.put(at, piece, keep=keep, done=_released(keep), ready=_ready(keep))
         return [out.close() for out in outs]
 
 

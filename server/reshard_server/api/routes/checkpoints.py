@@ -31,23 +31,34 @@ async def inspect_checkpoint(
     uri: Annotated[str, Query(min_length=1, max_length=4096)],
 ) -> dict[str, Any]:
     """Tensors (dtype, shape, layout, chunks), files and extras of a checkpoint."""
+    index = await _open(uri, settings, who)
+    return await run_in_threadpool(_describe, index, uri)
+
+
+def _describe(index: CheckpointIndex, uri: str) -> dict[str, Any]:
     from reshard_svc.format.inspection import describe_index
 
-    return describe_index(await _open(uri, settings, who), uri)
+    return describe_index(index, uri)
+
+
+def _inspect(path: str) -> CheckpointIndex:
+    """The index at ``path`` (imports torch on first use: on a worker thread, never on the
+    event loop, and only once the roots allowed the path)."""
+    from reshard_svc import inspect
+
+    return inspect(path)
 
 
 async def _open(uri: str, settings: Settings, who: Principal) -> CheckpointIndex:
     """The index of the checkpoint at ``uri``, if ``who`` may read there; else the HTTP
     error that says why (403 outside the roots or an unsafe pickle, 404 not a checkpoint,
     422 a broken one, 502 storage)."""
-    from reshard_svc import inspect
-
     try:
         path = check_readable(uri, settings, who)
     except Refused as e:
         raise HTTPException(e.status, e.detail) from None
     try:
-        return await run_in_threadpool(inspect, path)
+        return await run_in_threadpool(_inspect, path)
     except NotACheckpointError as e:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(e)) from None
     except UnsafePickleError as e:
@@ -72,10 +83,14 @@ async def checkpoint_layout(
     """One tensor's layout as a picture's data (what ``reshard inspect --layout`` draws):
     a grid of box indices over dims 0 and 1, and each box with its holders and their mesh
     coordinates."""
-    from reshard_svc.format.picture import layout_picture
-
     index = await _open(uri, settings, who)
     meta = index.tensors.get(tensor)
     if meta is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no tensor {tensor!r} in {uri}")
+    return await run_in_threadpool(_picture, meta, rows, cols)
+
+
+def _picture(meta: Any, rows: int, cols: int) -> dict[str, Any]:
+    from reshard_svc.format.picture import layout_picture
+
     return layout_picture(meta, rows, cols)
