@@ -57,6 +57,9 @@ class RingSlot:
             copied.synchronize()
 
     def release(self) -> None:
+        """Free the slot; a copy into it still in flight (a save that failed before its
+        lane waited) is waited for first, so no copy writes into a slot taken again."""
+        self.wait()
         with self._ring._changed:
             self.free.set()
             self._ring._changed.notify()
