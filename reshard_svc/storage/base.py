@@ -213,7 +213,8 @@ class Committer(Protocol):
 
 
 class LeaseHeld(Exception):
-    """The lease exists already: ``state`` is what holds it."""
+    """The lease exists already: ``state`` is what holds it (an empty ``version`` when it
+    kept vanishing between a refused create and the read: look again, never take it over)."""
 
     def __init__(self, state: LeaseState) -> None:
         super().__init__("the lease is held")

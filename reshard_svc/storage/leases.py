@@ -172,6 +172,8 @@ class Lease:
                 return cls(store, uri, record, store.create_lease(record.dumps(), token))
             except LeaseHeld as held:
                 state = held.state
+            if not state.version:
+                continue  # released and taken again while we looked: nothing to take over
             holder = parse(state)
             now = time.time()
             if holder is not None and not holder.stale(now, state.modified):

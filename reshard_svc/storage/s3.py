@@ -291,13 +291,19 @@ class S3Storage(FsspecStorage):
         return state.version if state is not None and state.record == record else None
 
     def create_lease(self, record: bytes, token: str) -> str:
-        etag = self._put(record, IfNoneMatch="*") or self._settle(record)
-        if etag is None:
+        for _ in range(3):
+            etag = self._put(record, IfNoneMatch="*") or self._settle(record)
+            if etag is not None:
+                return etag
             state = self.read_lease()
-            raise LeaseHeld(state or LeaseState(b"", "", None))
-        return etag
+            if state is not None:
+                raise LeaseHeld(state)
+            # released between the refusal and the read: try again
+        raise LeaseHeld(LeaseState(b"", "", None))
 
     def renew_lease(self, version: str, record: bytes) -> str:
+        if not version:  # an empty If-Match is no condition at all: never send one
+            raise LeaseLost
         etag = self._put(record, IfMatch=version) or self._settle(record)
         if etag is None:
             raise LeaseLost
@@ -307,6 +313,8 @@ class S3Storage(FsspecStorage):
         return self.renew_lease(version, record)
 
     def drop_lease(self, version: str) -> None:
+        if not version:
+            return  # not a version this run held (an empty If-Match deletes any)
         bucket, key = self._lease_key()
         try:
             self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)

@@ -192,7 +192,43 @@ def test_the_lease_changes_only_by_compare_and_swap(root):
         storage.renew_lease(v3, b'{"token": "c", "n": 2}')
     with pytest.raises(LeaseLost):
         storage.replace_lease(v3, b'{"token": "f"}', "f" * 32)
-    assert storage.create_lease(b'{"token": "e"}', "e" * 32)
+    v5 = storage.create_lease(b'{"token": "e"}', "e" * 32)
+    # an empty version is no condition: refused, never sent as one (S3: an empty If-Match)
+    with pytest.raises(LeaseLost):
+        storage.renew_lease("", b'{"token": "g"}')
+    with pytest.raises(LeaseLost):
+        storage.replace_lease("", b'{"token": "g"}', "g" * 32)
+    storage.drop_lease("")
+    assert storage.read_lease().version == v5
+
+
+def test_a_lease_released_while_a_contender_looked_is_never_taken_from_its_next_holder(
+    root, monkeypatch
+):
+    """Run C's create is refused while W holds the lease; before C reads who holds it, W
+    releases and F creates. C must then be told F holds it, and F must still commit (CI
+    met the old way on S3: C "took over" the empty lease it read, unconditionally)."""
+    from reshard_svc.errors import TargetBusyError
+    from reshard_svc.storage.base import LeaseHeld, LeaseState
+    from reshard_svc.storage.leases import Lease
+
+    w_store, f_store, c_store = (open_storage(f"{root}/ck") for _ in range(3))
+    w = Lease.acquire(w_store, w_store.uri, "w" * 32, "convert", lambda *_: None)
+    held: list[Lease] = []
+
+    def refused_then_released(record: bytes, token: str) -> str:
+        monkeypatch.undo()
+        w.release()
+        held.append(Lease.acquire(f_store, f_store.uri, "f" * 32, "convert", lambda *_: None))
+        raise LeaseHeld(LeaseState(b"", "", None))  # what C read in the gap: nothing
+
+    monkeypatch.setattr(c_store, "create_lease", refused_then_released)
+    with pytest.raises(TargetBusyError, match="is being written by"):
+        Lease.acquire(c_store, c_store.uri, "c" * 32, "convert", lambda *_: None)
+    f = held[0]
+    f.confirm()  # still F's
+    assert f_store.read_lease().version == f.version
+    f.release()
 
 
 def test_capabilities_and_reads_into_place(root):
