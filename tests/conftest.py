@@ -1,4 +1,5 @@
-"""Shared fixtures: a real moto S3 server on 127.0.0.1 (server mode, its own process),
+"""Shared fixtures: a real moto S3 server on 127.0.0.1 (server mode, its own process; its
+conditional writes made atomic as S3's are, see ``tests/support/moto_s3.py``),
 reset between tests, and an ``s3`` bucket fixture with s3fs configured in-process and
 through the environment (so spawned workers and servers reach it too)."""
 
@@ -100,7 +101,7 @@ def _worker_forkserver():
 def moto_server():
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "tests.support.moto_s3", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
