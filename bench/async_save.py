@@ -88,6 +88,7 @@ def main() -> None:
                         ["--size", args.size, "--dir", args.dir, "--system", system],
                         results,
                         attempts=2 if system == "dcp" else 1,
+                        launcher=args.launcher,
                     )
                 )
     finally:

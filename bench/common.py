@@ -2,6 +2,10 @@
 
 Each measured operation runs in fresh torchrun processes (so peak RSS is per operation);
 workers time the operation between barriers and append one JSON line to a results file.
+``--launcher forkserver`` starts those workers through torch's elastic agent in the bench's
+own process, forked from a server that imported torch and reshard_svc once: the same
+workers and the same timed regions, started in a fraction of a second instead of several
+(the smoke runs use it; the figures in docs/benchmarks.md come from ``torchrun``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,19 @@ def bench_parser(doc: str, default_dir: str) -> argparse.ArgumentParser:
     ap.add_argument("--dir", default=default_dir, help="scratch folder (tmpfs by default)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
+    add_launcher(ap)
     return ap
+
+
+def add_launcher(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="torchrun",
+        help="torchrun: a `python -m torch.distributed.run` per operation, as a user runs "
+        "it; forkserver: torch's elastic agent in this process, workers forked from a "
+        "server with torch and reshard_svc imported (the same workers, quick to start)",
+    )
 
 
 def add_variants(ap: argparse.ArgumentParser, variants: str) -> None:
@@ -230,40 +246,59 @@ def checksum_speed(mib: int = 256) -> dict[str, float]:
     return out
 
 
+LAUNCHERS = ("torchrun", "forkserver")
+
+#: What the forkserver imports once, before it forks any worker.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "numpy",
+    "reshard_svc.runtime.convert",
+    "reshard_svc.sessions",
+]
+#: The variables torch's elastic agent sets for each worker (kept over the bench's env).
+_AGENT_KEYS = frozenset(
+    "RANK LOCAL_RANK GROUP_RANK ROLE_RANK ROLE_NAME WORLD_SIZE LOCAL_WORLD_SIZE "
+    "GROUP_WORLD_SIZE ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT".split()
+)
+
+
 def launch(
-    nproc: int, script: str, args: list[str], results: str, attempts: int = 1
+    nproc: int,
+    script: str,
+    args: list[str],
+    results: str,
+    attempts: int = 1,
+    launcher: str = "torchrun",
 ) -> list[dict[str, Any]]:
-    """torchrun ``script --worker`` on ``nproc`` ranks; returns the per-rank JSON lines.
+    """``script --worker`` on ``nproc`` ranks (see :data:`LAUNCHERS`); returns the
+    per-rank JSON lines.
 
     ``attempts`` > 1 is for torch's own baseline runs only (``dcp.async_save`` has been
     seen to SIGABRT on a loaded 2-core machine): a failed attempt is said on stderr, as
     JSON, and run again. Our own runs get one attempt, so a crash of ours fails the bench.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        script,
-        "--worker",
-        "--results",
-        results,
-        *args,
-    ]
+    argv = ["--worker", "--results", results, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
     for attempt in range(1, attempts + 1):
         if os.path.exists(results):
             os.remove(results)
         try:
-            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+            if launcher == "forkserver":
+                _forkserver_launch(nproc, script, argv, env)
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+                cmd += [f"--nproc-per-node={nproc}", script, *argv]
+                subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
             break
-        except subprocess.CalledProcessError as e:
+        except (subprocess.CalledProcessError, WorkersFailed) as e:
             if attempt == attempts:
                 raise
             note = {
                 "warning": "baseline run failed; running it again",
-                "exit": e.returncode,
+                "exit": getattr(e, "returncode", str(e)),
                 "script": os.path.basename(script),
                 "args": args,
                 "attempt": attempt,
@@ -271,6 +306,53 @@ def launch(
             print(json.dumps(note), file=sys.stderr)
     with open(results) as f:
         return [json.loads(line) for line in f]
+
+
+class WorkersFailed(RuntimeError):
+    """A forkserver launch whose workers did not all exit 0."""
+
+
+def _forkserver_launch(nproc: int, script: str, argv: list[str], env: dict[str, str]) -> None:
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from reshard_svc._process import free_port
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="forkserver",
+    )
+    bench_env = {k: v for k, v in env.items() if k not in _AGENT_KEYS}
+    try:
+        elastic_launch(config, _forked_worker)(script, argv, bench_env)
+    except ChildFailedError as e:
+        raise WorkersFailed(f"{os.path.basename(script)} {' '.join(argv)}: {e}") from None
+
+
+def _forked_worker(script: str, argv: list[str], env: dict[str, str]) -> None:
+    """One rank, in a forked worker: the bench's environment and the agent's variables,
+    the script run as ``script --worker ...`` (its output discarded, as torchrun's is)."""
+    import runpy
+
+    own = {k: v for k, v in os.environ.items() if k in _AGENT_KEYS or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(own)
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
 
 
 def append_result(path: str, record: dict[str, Any]) -> None:

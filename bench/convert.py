@@ -141,7 +141,7 @@ def main() -> None:
     runs: dict[str, list] = {}
     ops = OPS if args.variants == "all" else tuple(op for op in OPS if op not in VARIANTS)
     try:
-        common.launch(4, __file__, [*base, "--op", "setup"], results)
+        common.launch(4, __file__, [*base, "--op", "setup"], results, launcher=args.launcher)
         for run in range(args.runs):
             # Rotate the order each run, so no operation always follows the same one.
             for op in common.rotated(ops, run):
@@ -157,6 +157,7 @@ def main() -> None:
                         [*base, "--op", op],
                         results,
                         attempts=2 if op.startswith("dcp") else 1,
+                        launcher=args.launcher,
                     )
                 runs.setdefault(op, []).append(per_rank)
     finally:

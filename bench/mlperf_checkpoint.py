@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--results", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--op", help=argparse.SUPPRESS)
+    common.add_launcher(ap)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -150,7 +151,9 @@ def main() -> None:
                 for op, n in (("save", world), ("load", world), ("load", other)):
                     if op == "load":
                         drop_cache(os.path.join(args.dir, system))
-                    ranks = common.launch(n, __file__, [*base, "--op", op], results)
+                    ranks = common.launch(
+                        n, __file__, [*base, "--op", op], results, launcher=args.launcher
+                    )
                     key = f"{system}_{op}" + ("" if n == world else "_other_world")
                     got.setdefault(key, []).append(figures(ranks))
     finally:

@@ -180,6 +180,7 @@ def main() -> None:
                 __file__,
                 ["--size", args.size, "--dir", args.dir, "--s3", f"{bucket}/run-{run}"],
                 results,
+                launcher=args.launcher,
             )
             lines.append(_line(run, ranks))
             print(json.dumps(lines[-1]), flush=True)

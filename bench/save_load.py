@@ -276,6 +276,7 @@ def main() -> None:
                         ["--size", args.size, "--dir", args.dir, "--system", system, "--op", op],
                         results,
                         attempts=2 if system == "dcp" else 1,
+                        launcher=args.launcher,
                     )
                     runs.setdefault((system, op), []).append(per_rank)
                     # No load reads these: free their memory (tmpfs) before the next run.

@@ -128,6 +128,7 @@ def main() -> None:
                         ["--size", args.size, "--dir", args.dir, "--system", system],
                         results,
                         attempts=1 if system == "ours" else 2,
+                        launcher=args.launcher,
                     )
                 )
     finally:

@@ -380,6 +380,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     ap.add_argument("--order", type=int, default=0, help=argparse.SUPPRESS)
+    common.add_launcher(ap)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -394,7 +395,10 @@ def main() -> None:
             with EmulatedLink(args.link) as link:
                 runs = [link.launch(4, __file__, argv(i), results) for i in range(args.runs)]
         else:
-            runs = [common.launch(8, __file__, argv(i), results) for i in range(args.runs)]
+            runs = [
+                common.launch(8, __file__, argv(i), results, launcher=args.launcher)
+                for i in range(args.runs)
+            ]
     if args.delta:
         print(json.dumps(delta_summary(args, runs)))
         return
