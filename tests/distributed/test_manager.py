@@ -13,7 +13,7 @@ import pytest
 from reshard_svc.format.steps import step_name
 from reshard_svc.plan.retention import retained
 from tests.support import manager_jobs as jobs
-from tests.support.harness import JOBS, job_processes, run
+from tests.support.harness import JOBS, job_processes, run, wait_dead
 
 pytestmark = [pytest.mark.distributed]
 
@@ -103,7 +103,7 @@ def test_kill_9_at_random_points_always_resumes_from_a_whole_committed_step(tmp_
             except psutil.NoSuchProcess:
                 pass
         job.join(timeout=30)
-        psutil.wait_procs(family, timeout=30)
+        wait_dead(family)
         step, ok = jobs.resume_and_check_here(root)  # another world: this one process
         assert ok, (point, step)
         assert step is not None and step >= last, (point, step, last)

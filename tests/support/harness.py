@@ -9,7 +9,8 @@ reshard_svc once (``_PRELOAD``): a spawned worker spent ~3.5 s of CPU importing 
 suite's largest repeated cost. Each worker is still a fresh process of its own (forked from
 that single-threaded server, never from pytest) and runs with the environment of the test
 that launched it, in its working directory, as a spawned one would (:func:`_entry` restores
-both). The kill tests start their jobs from the same server (:data:`JOBS`).
+both). The kill tests start their jobs from the same server (:data:`JOBS`); such a job
+forks its own workers, so they are its children.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from reshard_svc._process import free_port
 
-__all__ = ["JOBS", "free_port", "job_processes", "run", "start_forkserver"]
+__all__ = ["JOBS", "free_port", "job_processes", "run", "start_forkserver", "wait_dead"]
 
 #: Imported once by the forkserver, before it forks any worker.
 _PRELOAD = [
@@ -99,6 +101,10 @@ def _entry(test_env: dict[str, str], cwd: str, fn: Callable[..., Any], *args: An
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
+    # A whole job a test kills (started from JOBS) forks its workers itself: it is already
+    # a preloaded, fresh process, and a forkserver of its own would import torch again
+    # (~4 s a launch). Its workers are then its children (see :func:`job_processes`).
+    in_job = multiprocessing.parent_process() is not None
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -109,19 +115,35 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
         rdzv_configs={"timeout": 120},
         max_restarts=0,
         monitor_interval=0.05,
-        start_method="forkserver",
+        start_method="fork" if in_job else "forkserver",
     )
     test_env = {k: v for k, v in os.environ.items() if k not in _launcher_env(dict(os.environ))}
     return elastic_launch(config, _entry)(test_env, os.getcwd(), fn, *args)
 
 
 def job_processes(launcher_pid: int) -> list[Any]:
-    """Every process of the job that process ``launcher_pid`` started with :func:`run`: its
-    workers and whatever they forked (background writers), as Slurm's signal reaches a
-    step's tasks. Not the agent, nor the forkserver the workers came from."""
+    """Every process of the job that process ``launcher_pid`` (started from :data:`JOBS`)
+    started with :func:`run`: its workers, which it forked, and whatever they forked
+    (background writers), as Slurm's signal reaches a step's tasks. Not the agent."""
     import psutil
 
-    servers = [
-        p for p in psutil.Process(launcher_pid).children() if "forkserver" in " ".join(p.cmdline())
-    ]
-    return [q for server in servers for q in server.children(recursive=True)]
+    return psutil.Process(launcher_pid).children(recursive=True)
+
+
+def wait_dead(procs: list[Any], timeout: float = 30) -> None:
+    """Wait until each process is gone or a zombie: a killed job's workers are orphans, and
+    whoever adopts them may take a second to reap them; a zombie holds nothing and writes
+    nothing, so it counts as dead."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.01)
+        else:
+            raise TimeoutError(f"process {p.pid} still runs {timeout:.0f} s after its kill")
