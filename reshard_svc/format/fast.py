@@ -31,7 +31,7 @@ from typing import Any
 
 from reshard_svc.errors import CheckpointError, ReshardError, StorageError, UsageError
 from reshard_svc.format.index import INDEX_NAME, CheckpointIndex
-from reshard_svc.format.steps import STEP_PATTERN, StepInfo, step_name
+from reshard_svc.format.steps import StepInfo, parse_fast_step, step_name
 from reshard_svc.storage import open_storage
 from reshard_svc.storage.base import Target
 
@@ -39,7 +39,6 @@ __all__ = [
     "COMMIT_RECORD",
     "FastStep",
     "check_part",
-    "fast_step_name",
     "fast_steps",
     "local_root",
     "make_step_folder",
@@ -57,13 +56,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COMMIT_RECORD = "commit.json"
-#: a fast step folder: the persistent tier's step name, then this run's token
-_STEP = re.compile(STEP_PATTERN.pattern + r"\.([0-9a-f]{8,32})")
 _PART = re.compile(r"part-(\d{5,})")
-
-
-def fast_step_name(step: int, run: str) -> str:
-    return f"{step_name(step)}.{run}"
 
 
 def part_name(rank: int) -> str:
@@ -129,8 +122,8 @@ def fast_steps(path: str) -> list[FastStep]:
     root = local_root(path)
     out = []
     for name in _storage(root).listdir():
-        m = _STEP.fullmatch(name)
-        if m is None:
+        named = parse_fast_step(name)
+        if named is None:
             continue
         folder = posixpath.join(root, name)
         step = _storage(folder)
@@ -149,17 +142,13 @@ def fast_steps(path: str) -> list[FastStep]:
             part = posixpath.join(folder, entry)
             if p is not None and _storage(part).exists(INDEX_NAME):
                 parts[int(p.group(1))] = part
-        out.append(
-            FastStep(
-                step=int(m.group(1)), run=m.group(2), folder=folder, record=record, parts=parts
-            )
-        )
+        out.append(FastStep(step=named[0], run=named[1], folder=folder, record=record, parts=parts))
     return sorted(out, key=lambda s: (s.step, s.run))
 
 
 def make_step_folder(path: str, step: int, run: str) -> str:
     """Run ``run``'s folder for fast step ``step`` under ``path``, made."""
-    folder = posixpath.join(local_root(path), fast_step_name(step, run))
+    folder = posixpath.join(local_root(path), step_name(step, run))
     _storage(folder).make_folder()
     return folder
 
@@ -266,9 +255,9 @@ def write_commit(step_folder: str, record: Mapping[str, Any]) -> None:
 
 
 def remove_fast_step(step: FastStep) -> None:
-    """Remove a fast step folder of ours (named by :func:`fast_step_name`): its record
-    first, so nobody reads a step being removed."""
-    if _STEP.fullmatch(posixpath.basename(step.folder)) is None:  # pragma: no cover
+    """Remove a fast step folder of ours (named by :func:`step_name` with its run): its
+    record first, so nobody reads a step being removed."""
+    if parse_fast_step(posixpath.basename(step.folder)) is None:  # pragma: no cover
         raise CheckpointError(f"{step.folder} is not a fast step folder")
     folder = _storage(step.folder)
     try:

@@ -35,6 +35,7 @@ __all__ = [
     "STEP_PATTERN",
     "StepFolders",
     "StepInfo",
+    "parse_fast_step",
     "parse_step",
     "step_name",
 ]
@@ -50,13 +51,27 @@ _WIDTH = 10
 RETIRING = ".reshard.retiring.json"
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:0{_WIDTH}d}"
+#: A fast step folder (the fast tier's, in a node's fast path): the step's name, then the
+#: token of the run that saved it.
+_FAST_STEP = re.compile(STEP_PATTERN.pattern + r"\.([0-9a-f]{8,32})")
+
+
+def step_name(step: int, run: str | None = None) -> str:
+    """The folder of ``step``: under the root, or (given the run's token) in a fast path."""
+    name = f"step-{step:0{_WIDTH}d}"
+    return name if run is None else f"{name}.{run}"
 
 
 def parse_step(name: str) -> int | None:
+    """The step of a step folder under a root, or None for any other name."""
     m = STEP_PATTERN.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def parse_fast_step(name: str) -> tuple[int, str] | None:
+    """The step and run token of a fast step folder, or None for any other name."""
+    m = _FAST_STEP.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 @dataclass(frozen=True, kw_only=True)

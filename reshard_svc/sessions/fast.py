@@ -41,7 +41,6 @@ from reshard_svc._process import fork_call
 from reshard_svc.errors import CheckpointError, ReshardError, TornSnapshotError, UsageError
 from reshard_svc.format.fast import (
     FastStep,
-    fast_step_name,
     fast_steps,
     local_root,
     make_step_folder,
@@ -52,6 +51,7 @@ from reshard_svc.format.fast import (
     unpack_part,
     write_commit,
 )
+from reshard_svc.format.steps import step_name
 from reshard_svc.jobs.environment import NODE_RANK_ENV, node_rank
 from reshard_svc.plan.items import Held, Holdings
 from reshard_svc.plan.save import plan_save
@@ -319,7 +319,7 @@ class FastSaves:
             self._snapshot.release()
 
     def _write_step(self, step: int, prepared: Callable[[], Any] | str | None) -> bool:
-        folder = f"{self.root}/{fast_step_name(step, self.run)}"
+        folder = f"{self.root}/{step_name(step, self.run)}"
         error = ""
         blob = bytearray()
         try:
