@@ -113,7 +113,7 @@ def rl_loop() -> dict[str, Any]:
         UsageError,
         WeightSync,
     )
-    from reshard_svc.sessions import sync_codec as runtime
+    from reshard_svc.sessions.sync.codec import Codec
 
     rank = dist.get_rank()
     trainer = tw._mesh([0, 1, 2, 3], (2, 2))
@@ -136,20 +136,20 @@ def rl_loop() -> dict[str, Any]:
             for shard in engine.values():
                 shard.data.zero_()
         if step == 12:  # rank 7 fails while landing: nobody moves from version 11
-            real = runtime.Codec.decode
+            real = Codec.decode
             if rank == 7:
 
                 def decode(self: Any, *a: Any) -> None:
                     raise RuntimeError("injected failure while landing")
 
-                runtime.Codec.decode = decode  # type: ignore[method-assign]
+                Codec.decode = decode  # type: ignore[method-assign]
             try:
                 sync.push(step)
                 out["aborted"] = None
             except TransferAbortedError as e:
                 out["aborted"] = {"message": str(e), "updated": list(e.updated)}
             finally:
-                runtime.Codec.decode = real  # type: ignore[method-assign]
+                Codec.decode = real  # type: ignore[method-assign]
             prev = Truth()
             for s in range(2, step):
                 prev.step(s, DENSITIES[(s - 1) % 4])
@@ -281,11 +281,12 @@ def _inject(victim: bool, wave: int, where: str) -> Any:
     """Make this rank fail (if ``victim``) in wave ``wave`` of the next push: at its
     boundary (after the wave is written) or inside it (receiving, or sending, its first
     piece). Returns the undo of the injection."""
-    from reshard_svc.sessions import sync_codec as sc
+    from reshard_svc.sessions.sync.codec import Codec
+    from reshard_svc.sessions.sync.landing import Landing
 
     real = {
         k: getattr(cls, k)
-        for cls, k in ((sc.Landing, "wave_done"), (sc.Codec, "decode"), (sc.Codec, "encode"))
+        for cls, k in ((Landing, "wave_done"), (Codec, "decode"), (Codec, "encode"))
     }
     if not victim:
         return lambda: None
@@ -303,7 +304,7 @@ def _inject(victim: bool, wave: int, where: str) -> Any:
             if index(self, w) == wave:
                 raise RuntimeError(f"injected failure after wave {wave}")
 
-        sc.Landing.wave_done = wave_done  # type: ignore[method-assign]
+        Landing.wave_done = wave_done  # type: ignore[method-assign]
     else:
 
         def decode(self: Any, piece: Any, *a: Any) -> None:
@@ -316,13 +317,13 @@ def _inject(victim: bool, wave: int, where: str) -> Any:
                 raise RuntimeError(f"injected failure sending in wave {wave}")
             return real["encode"](self, piece, *a)
 
-        sc.Codec.decode = decode  # type: ignore[method-assign]
-        sc.Codec.encode = encode  # type: ignore[method-assign]
+        Codec.decode = decode  # type: ignore[method-assign]
+        Codec.encode = encode  # type: ignore[method-assign]
 
     def restore() -> None:
-        sc.Landing.wave_done = real["wave_done"]  # type: ignore[method-assign]
-        sc.Codec.decode = real["decode"]  # type: ignore[method-assign]
-        sc.Codec.encode = real["encode"]  # type: ignore[method-assign]
+        Landing.wave_done = real["wave_done"]  # type: ignore[method-assign]
+        Codec.decode = real["decode"]  # type: ignore[method-assign]
+        Codec.encode = real["encode"]  # type: ignore[method-assign]
 
     return restore
 
@@ -348,7 +349,7 @@ def atomic_waves() -> dict[str, Any]:
     on one rank inside commit() (one wave and several), and an undo budget too small
     (fenced, then refilled)."""
     from reshard_svc import EngineFencedError, TransferAbortedError, WeightSync
-    from reshard_svc.sessions import sync_codec as sc
+    from reshard_svc.sessions.sync.landing import Landing
 
     rank = dist.get_rank()
     trainer = tw._mesh([0, 1, 2, 3], (2, 2))
@@ -416,21 +417,21 @@ def atomic_waves() -> dict[str, Any]:
             version += 1
         kept = _kept(truth.full)
         advance(version, 0.01)
-        real = sc.Landing.write_parked
+        real = Landing.write_parked
         if rank == 6:
 
             def write_parked(self: Any, real: Any = real) -> None:
                 real(self)
                 raise OSError("injected failure writing at commit")
 
-            sc.Landing.write_parked = write_parked  # type: ignore[method-assign]
+            Landing.write_parked = write_parked  # type: ignore[method-assign]
         try:
             session.push(version)
             raised = None
         except TransferAbortedError as e:
             raised = type(e).__name__
         finally:
-            sc.Landing.write_parked = real  # type: ignore[method-assign]
+            Landing.write_parked = real  # type: ignore[method-assign]
         out[label] = {
             "raised": raised,
             "wrong": engine_wrong(engine, kept),
@@ -630,19 +631,20 @@ def _not_norm(name: str) -> bool:
 def _inject_kill(wave: int, where: str, die: Any) -> None:
     """This process dies in wave ``wave`` of the next push: after the wave is written
     (its boundary), or inside it (as it receives, or sends, its first piece)."""
-    from reshard_svc.sessions import sync_codec as sc
+    from reshard_svc.sessions.sync.codec import Codec
+    from reshard_svc.sessions.sync.landing import Landing
 
     if where == "boundary":
-        real_done = sc.Landing.wave_done
+        real_done = Landing.wave_done
 
         def wave_done(self: Any, w: Any) -> None:
             real_done(self, w)
             if self.geometry.wave_index[id(w)] == wave:
                 die()
 
-        sc.Landing.wave_done = wave_done  # type: ignore[method-assign]
+        Landing.wave_done = wave_done  # type: ignore[method-assign]
         return
-    real_decode, real_encode = sc.Codec.decode, sc.Codec.encode
+    real_decode, real_encode = Codec.decode, Codec.encode
 
     def decode(self: Any, piece: Any, *a: Any) -> None:
         if self.geometry.wave_of_target[piece.target] == wave:
@@ -654,5 +656,5 @@ def _inject_kill(wave: int, where: str, die: Any) -> None:
             die()
         return real_encode(self, piece, *a)
 
-    sc.Codec.decode = decode  # type: ignore[method-assign]
-    sc.Codec.encode = encode  # type: ignore[method-assign]
+    Codec.decode = decode  # type: ignore[method-assign]
+    Codec.encode = encode  # type: ignore[method-assign]

@@ -8,7 +8,7 @@ import torch
 
 from reshard_svc.errors import BufferReuseError
 from reshard_svc.runtime.buffers import POISON, Arena, BufferPool, reclaim, release
-from reshard_svc.sessions.sync_codec import Journal, journal_pool
+from reshard_svc.sessions.sync.journal import Journal, journal_pool
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
-"""The weight-sync cost model (``sessions.sync_costs.Costs``): a delta only where its CPU
+"""The weight-sync cost model (``sessions.sync.costs.Costs``): a delta only where its CPU
 costs less than the bytes it saves on the link at hand."""
 
 from __future__ import annotations
 
-from reshard_svc.sessions.sync_costs import Costs
+from reshard_svc.sessions.sync.costs import Costs
 
 
 def test_calibration_measures_this_machine() -> None:

@@ -1,4 +1,4 @@
-"""The undo journal of a weight-sync push (``sessions.sync_codec.Journal``): whatever a
+"""The undo journal of a weight-sync push (``sessions.sync.journal.Journal``): whatever a
 push overwrote — whole regions, a delta's changed elements by mask or by position, in
 strided views, NaN payloads and -0.0 included — comes back bitwise, newest first; past
 its budget it says it cannot."""
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard_svc.runtime import delta
-from reshard_svc.sessions.sync_codec import Journal
+from reshard_svc.sessions.sync.journal import Journal
 
 
 def _ints(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ version:
    (a restarted engine, a new replica, a missed or aborted push, a target written by
    someone else since, the first push, a new plan). Versions must go up.
 2. ``update()`` — the plan runs on the one executor with a codec: for each piece the cost
-   model (:mod:`reshard_svc.sessions.sync_costs`) weighs a delta's CPU against the bytes
+   model (:mod:`reshard_svc.sessions.sync.costs`) weighs a delta's CPU against the bytes
    it saves on this link; a delta compares the piece with what the sender last sent, as
    integers (NaN payloads, ``-0.0`` and denormals are exact), and sends the changes in the
    smallest of raw, bitmask + values, runs + values and gaps + values
@@ -28,7 +28,7 @@ version:
    writes each wave as it lands (:attr:`WeightSync.holds_until_commit`).
 
 ``push(version)`` is the three in one. **One version everywhere**: receivers write through
-an undo journal (:class:`~reshard_svc.sessions.sync_codec.Journal`: what a push overwrote,
+an undo journal (:class:`~reshard_svc.sessions.sync.journal.Journal`: what a push overwrote,
 as it was), so a failure on any rank — an exception, a peer killed mid-wave, a write that
 fails inside ``commit()`` — makes every surviving rank undo the push locally and raise
 :class:`~reshard_svc.errors.TransferAbortedError`, its targets bitwise the last committed
@@ -76,16 +76,11 @@ from reshard_svc.runtime.transfer import (
     agreed_plan,
     check_sources,
 )
-from reshard_svc.sessions.sync_codec import (
-    Agreed,
-    Codec,
-    Geometry,
-    Journal,
-    Landing,
-    Records,
-    journal_pool,
-)
-from reshard_svc.sessions.sync_costs import Costs
+from reshard_svc.sessions.sync.codec import Codec
+from reshard_svc.sessions.sync.costs import Costs
+from reshard_svc.sessions.sync.journal import Journal, journal_pool
+from reshard_svc.sessions.sync.landing import Landing
+from reshard_svc.sessions.sync.records import Agreed, Geometry, Records
 
 __all__ = ["SyncResult", "WeightSync"]
 
