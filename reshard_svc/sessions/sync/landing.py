@@ -25,10 +25,11 @@ def _forget(region: torch.Tensor, where: torch.Tensor | None = None) -> None:
     """Keep nothing of a region that held no version (the first push, a refill)."""
 
 
-class Landing(Staging):
-    """A push's destination on this rank: whole pieces land in staging (the plan's arena),
-    deltas are decoded and kept; a wave is written into the targets once every rank has
-    it (or at commit, when it is held)."""
+class Landing:
+    """A push's destination on this rank (the executor's ``Destination``): whole pieces
+    land in a one-shot transfer's :class:`~reshard_svc.runtime.transfer.Staging` (the
+    plan's arena), deltas are decoded and kept; a wave is written into the targets once
+    every rank has it (or at commit, when it is held)."""
 
     def __init__(
         self,
@@ -39,12 +40,13 @@ class Landing(Staging):
         hold: bool,
         records: Records,
         geometry: Geometry,
-        version: int,
         journal: Journal,
     ) -> None:
-        super().__init__(plan, dst, arena)
-        self.hold, self.records, self.geometry, self.version = hold, records, geometry, version
+        self.plan, self.dst = plan, dst
+        self.staging = Staging(plan, dst, arena)
+        self.hold, self.records, self.geometry = hold, records, geometry
         self.journal = journal
+        self.updated: list[str] = []  # tensors written (a push's result)
         self.whole: dict[int, dict[Piece, None]] = {}  # target -> pieces staged whole
         self.patches: list[tuple[Piece, torch.Tensor | None, torch.Tensor]] = []
         self.parked: list[Wave] = []
@@ -70,7 +72,10 @@ class Landing(Staging):
 
     def view(self, piece: Piece) -> torch.Tensor:
         self.whole.setdefault(piece.target, {})[piece] = None
-        return super().view(piece)
+        return self.staging.view(piece)
+
+    def take(self, piece: Piece, data: torch.Tensor) -> bool:
+        return False  # every piece is copied into staging (the targets change at the write)
 
     def keep_patch(self, piece: Piece, where: torch.Tensor | None, values: torch.Tensor) -> None:
         self.patches.append((piece, where, values))
@@ -81,7 +86,7 @@ class Landing(Staging):
         self.touched.extend(wave.tensors)
         # what the targets held is worth keeping only when it was a version
         keep = self.journal.keep if self.records.held.get(wi) is not None else _forget
-        for ti, staged in self.staged.items():
+        for ti, staged in self.staging.staged.items():
             t = self.plan.targets[ti]
             into = self.dst[t.tensor].local[t.box]
             pieces = self.whole[ti]
@@ -97,7 +102,7 @@ class Landing(Staging):
             region = self.region(p)
             keep(region, where)
             delta.patch(region, where, values)
-        self.staged.clear()
+        self.staging.staged.clear()
         self.whole.clear()
         self.patches.clear()
         self._pad(wave.tensors)
@@ -119,8 +124,8 @@ class Landing(Staging):
                 self.records.held.pop(wi, None)
         return whole
 
-    def record(self) -> None:
-        """Every rank committed: the waves written hold the push's version."""
+    def record(self, version: int) -> None:
+        """Every rank committed: the waves written hold the push's ``version``."""
         self.journal.drop()
         for wi in self.written:
-            self.records.held[wi] = self.version
+            self.records.held[wi] = version

@@ -109,9 +109,8 @@ class SyncResult:
 
 @dataclass(kw_only=True)
 class Push:
-    """One push in flight on this rank."""
+    """One push in flight on this rank (its version is what every rank agreed to)."""
 
-    version: int
     local: LocalSides
     entry: TransferEntry
     cached: bool
@@ -121,6 +120,10 @@ class Push:
     landing: Landing | None = None
     codec: Codec | None = None
     moved: bool = False
+
+    @property
+    def version(self) -> int:
+        return self.agreed.version
 
 
 class WeightSync:
@@ -270,7 +273,6 @@ class WeightSync:
             if self._verify:
                 check_sources(entry, local, comm)
         self._push = Push(
-            version=version,
             local=local,
             entry=entry,
             cached=cached,
@@ -334,7 +336,7 @@ class WeightSync:
             self._fail(push, landing, e)
         # every rank has written every wave: the version becomes the records'
         self._push = None
-        landing.record()
+        landing.record(push.version)
         if codec is not None:
             codec.record()
         self._remember(landing.touched, push.local.dst)
@@ -419,7 +421,6 @@ class WeightSync:
             hold=hold,
             records=self._records,
             geometry=geometry,
-            version=push.version,
             journal=Journal(self._undo_memory, self._pool),
         )
         if not self._delta or push.costs is None:
