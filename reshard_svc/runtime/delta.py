@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Literal
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from reshard_svc.errors import UsageError
 __all__ = [
     "Delta",
     "Encoding",
+    "RAW_UNSENT",
     "apply",
     "as_ints",
     "changed",
@@ -83,6 +85,13 @@ class Delta:
     payload: torch.Tensor
     where: torch.Tensor | None
     values: torch.Tensor
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+#: A piece best sent raw, said without copying it (payload and values empty): what
+#: :func:`encode` returns with ``raw_payload=False``, and what a weight sync's cost model
+#: picks without comparing.
+RAW_UNSENT = Delta(encoding=Encoding.RAW, payload=_EMPTY, where=None, values=_EMPTY)
 
 
 def _int_kind(t: torch.Tensor) -> torch.dtype:
@@ -207,33 +216,27 @@ def sampled_density(old: torch.Tensor, new: torch.Tensor) -> float | None:
     return float(np.count_nonzero(diff)) / diff.size
 
 
-def _looks_dense(old: torch.Tensor, new: torch.Tensor) -> bool:
-    """Whether a sample of a large CPU piece has changed almost everywhere: then the piece
-    goes raw without a full compare. Only a cost decision: a raw piece is always right."""
-    share = sampled_density(old, new)
-    return share is not None and share >= SAMPLE_DENSE
-
-
-def encode(old: torch.Tensor, new: torch.Tensor, *, raw_payload: bool = True) -> Delta:
+def encode(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    *,
+    raw_payload: bool = True,
+    density: float | None | Literal["sample"] = "sample",
+) -> Delta:
     """``new`` against ``old`` in the smallest encoding. ``raw_payload=False``: when the
-    piece is best sent raw, say so without copying it (payload and values empty)."""
+    piece is best sent raw, say so without copying it (:data:`RAW_UNSENT`). A large CPU
+    piece whose sample (:func:`sampled_density`; ``density``: the caller's, when it has
+    sampled already) has changed almost everywhere goes raw without a full compare: only
+    a cost decision, a raw piece is always right."""
     if old.shape != new.shape or old.dtype != new.dtype:
         changed(old, new)  # raises, naming both
-    nothing = torch.empty(0, dtype=torch.uint8)
-    if _looks_dense(old, new):
-        return (
-            _raw(new)
-            if raw_payload
-            else Delta(encoding=Encoding.RAW, payload=nothing, where=None, values=nothing)
-        )
+    share = sampled_density(old, new) if density == "sample" else density
+    if share is not None and share >= SAMPLE_DENSE:
+        return _raw(new) if raw_payload else RAW_UNSENT
     pair = _Pair(old, new)
     n, k, isz = pair.n, pair.k, new.element_size()
     if n >= 2**31 or k == n:
-        return (
-            pair.raw()
-            if raw_payload
-            else Delta(encoding=Encoding.RAW, payload=nothing, where=None, values=nothing)
-        )
+        return pair.raw() if raw_payload else RAW_UNSENT
     sizes: dict[Encoding, int] = {
         Encoding.RAW: n * isz,
         Encoding.MASK: encoded_size(Encoding.MASK, n, k, 0, isz),
@@ -253,11 +256,7 @@ def encode(old: torch.Tensor, new: torch.Tensor, *, raw_payload: bool = True) ->
         sizes[Encoding.GAPS] = encoded_size(Encoding.GAPS, n, k, 0, isz, len(tokens) - k)
     best = min(sizes, key=lambda e: (sizes[e], e))
     if best is Encoding.RAW:
-        return (
-            pair.raw()
-            if raw_payload
-            else Delta(encoding=Encoding.RAW, payload=nothing, where=None, values=nothing)
-        )
+        return pair.raw() if raw_payload else RAW_UNSENT
     if best is Encoding.MASK:
         values = pair.pick(pair.mask)
         bits = torch.from_numpy(np.packbits(pair.mask, bitorder="little"))

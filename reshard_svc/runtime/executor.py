@@ -68,9 +68,9 @@ class Codec(Protocol):
         as read), or ``(0, None)`` to send it as it is."""
         ...
 
-    def decode(self, piece: Piece, encoding: int, payload: torch.Tensor, dest: Destination) -> None:
-        """Land a piece this rank received (``payload``: the bytes sent; with encoding 0
-        and no payload override, the piece itself) into ``dest``."""
+    def decode(self, piece: Piece, encoding: int, payload: torch.Tensor) -> None:
+        """Land a piece this rank received (``payload``: the bytes sent; with encoding 0,
+        the piece itself) into the destination the codec was made for."""
         ...
 
     def wave_done(self, wave: Wave) -> None:
@@ -331,29 +331,7 @@ class _Step:
                     self.sent[_key(p)] = _crc(data)
                 if p not in self.in_place:
                     _land(dest, p, data)
-        off = at = 0
-        for p in w.crossing:
-            if p.dest != me:
-                continue
-            if self.codec is not None:
-                head = self.heads[at]
-                at += 1
-                size = head >> 8
-                payload = self.recv[off : off + size]
-                self.codec.decode(p, head & 0xFF, payload, dest)
-                if p.via == me:  # forwarded as received, encoded (its receivers decode it)
-                    self.forward[(p.read, p.box)] = payload
-                    self.forward_heads[(p.read, p.box)] = (
-                        head,
-                        _crc(dest.view(p)) if verify else None,
-                    )
-                off += aligned(size)
-                continue
-            data = self._typed(self.recv[off : off + p.nbytes], p)
-            if p.via == me:
-                self.forward[(p.read, p.box)] = data
-            _land(dest, p, data)
-            off += aligned(p.nbytes)
+        self._land_received(dest, w.crossing, forwards=True, verify=verify)
         self.bands.clear()
         if w.relays and self.comm.world > 1:
             self._pack_relayed(verify)
@@ -418,19 +396,36 @@ class _Step:
         """The second round's stripes for this rank (after :meth:`exchange` again)."""
         if not self.w.relays or self.comm.world == 1:
             return
+        self._land_received(dest, self.w.relayed, forwards=False, verify=False)
+
+    def _land_received(
+        self, dest: Destination, pieces: Sequence[Piece], *, forwards: bool, verify: bool
+    ) -> None:
+        """This rank's pieces of the received buffer, in plan order: decoded by the codec,
+        or landed as they are; with ``forwards``, the stripes this rank relays are kept as
+        received (encoded, with their head and landed CRC, under a codec)."""
         off = at = 0
         me = self.comm.rank
-        for p in self.w.relayed:
+        for p in pieces:
             if p.dest != me:
                 continue
+            keep = forwards and p.via == me
             if self.codec is not None:
                 head = self.heads[at]
                 at += 1
                 size = head >> 8
-                self.codec.decode(p, head & 0xFF, self.recv[off : off + size], dest)
+                payload = self.recv[off : off + size]
+                self.codec.decode(p, head & 0xFF, payload)
+                if keep:  # forwarded as received, encoded (its receivers decode it)
+                    self.forward[(p.read, p.box)] = payload
+                    crc = _crc(dest.view(p)) if verify else None
+                    self.forward_heads[(p.read, p.box)] = (head, crc)
                 off += aligned(size)
                 continue
-            _land(dest, p, self._typed(self.recv[off : off + p.nbytes], p))
+            data = self._typed(self.recv[off : off + p.nbytes], p)
+            if keep:
+                self.forward[(p.read, p.box)] = data
+            _land(dest, p, data)
             off += aligned(p.nbytes)
 
     def run(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -21,10 +20,6 @@ from reshard_svc.sessions.sync.landing import Landing
 from reshard_svc.sessions.sync.records import Agreed, Geometry, Records, Region
 
 __all__ = ["Codec"]
-
-_NOTHING = torch.empty(0, dtype=torch.uint8)
-#: a piece the cost model sends raw, without comparing it
-_RAW = delta.Delta(encoding=delta.Encoding.RAW, payload=_NOTHING, where=None, values=_NOTHING)
 
 
 @dataclass(kw_only=True)
@@ -87,11 +82,11 @@ class Codec:
         if d is None:
             share = delta.sampled_density(old, data)
             if self.costs.delta_pays(piece.nbytes, data.element_size(), share):
-                d = delta.encode(old, data, raw_payload=False)
+                d = delta.encode(old, data, raw_payload=False, density=share)
                 self.bytes_compared += piece.nbytes
                 self.priced_changes += piece.nbytes * self.costs.per_change * (share or 0.0)
             else:
-                d = _RAW
+                d = delta.RAW_UNSENT
             self.encoded[key] = d
             mine[key] = d if d.encoding in (delta.Encoding.RUNS, delta.Encoding.GAPS) else data
         self.deltas += 1
@@ -106,7 +101,7 @@ class Codec:
     def _count(self, how: str) -> None:
         self.encodings[how] = self.encodings.get(how, 0) + 1
 
-    def decode(self, piece: Piece, encoding: int, payload: torch.Tensor, dest: Any) -> None:
+    def decode(self, piece: Piece, encoding: int, payload: torch.Tensor) -> None:
         wave = self.geometry.wave_of_target[piece.target]
         sender = self.geometry.reads[piece.read].reader
         self.bytes_received += payload.numel()
