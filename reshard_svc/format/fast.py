@@ -19,6 +19,7 @@ reach the same step number (a job resumed from an older step) apart.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import posixpath
@@ -63,37 +64,23 @@ def part_name(rank: int) -> str:
     return f"part-{rank:05d}"
 
 
-@dataclass(kw_only=True)
-class FastStep:
-    """One fast step folder on this node: its step and run, the commit record (None while
-    unfinished) and the parts it holds whole (origin rank -> folder)."""
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FastStep(StepInfo):
+    """One fast step folder on this node: the step record every listing shows (tier
+    ``fast``; its size filled in by :meth:`info`), with what the fast tier reads it by:
+    the run that saved it, the folder, its commit record (None while unfinished) and the
+    parts it holds whole (origin rank -> folder)."""
 
-    step: int
     run: str
     folder: str
     record: dict[str, Any] | None
     parts: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def committed(self) -> bool:
-        return self.record is not None
-
-    @property
-    def name(self) -> str:
-        return posixpath.basename(self.folder)
+    tier: str = "fast"
 
     def info(self, sizes: bool = True) -> StepInfo:
-        """This step as ``reshard steps`` lists it (the fast tier keeps its newest two
-        itself: no policy)."""
-        now = time.time()
-        return StepInfo(
-            step=self.step,
-            name=self.name,
-            committed=self.committed,
-            bytes=self.nbytes() if sizes else 0,
-            age_s=max(0.0, now - float(self.record.get("time", now))) if self.record else None,
-            tier="fast",
-        )
+        """This step as ``reshard steps`` lists it, with its bytes (the fast tier keeps
+        its newest two itself: no policy)."""
+        return dataclasses.replace(self, bytes=self.nbytes()) if sizes else self
 
     def nbytes(self) -> int:
         """Bytes of the folder's files (the record, its parts and their copies)."""
@@ -121,6 +108,7 @@ def fast_steps(path: str) -> list[FastStep]:
     unfinished)."""
     root = local_root(path)
     out = []
+    now = time.time()
     for name in _storage(root).listdir():
         named = parse_fast_step(name)
         if named is None:
@@ -142,7 +130,19 @@ def fast_steps(path: str) -> list[FastStep]:
             part = posixpath.join(folder, entry)
             if p is not None and _storage(part).exists(INDEX_NAME):
                 parts[int(p.group(1))] = part
-        out.append(FastStep(step=named[0], run=named[1], folder=folder, record=record, parts=parts))
+        out.append(
+            FastStep(
+                step=named[0],
+                name=name,
+                committed=record is not None,
+                bytes=0,
+                age_s=max(0.0, now - float(record.get("time", now))) if record else None,
+                run=named[1],
+                folder=folder,
+                record=record,
+                parts=parts,
+            )
+        )
     return sorted(out, key=lambda s: (s.step, s.run))
 
 
