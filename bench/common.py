@@ -249,7 +249,7 @@ def checksum_speed(mib: int = 256) -> dict[str, float]:
 LAUNCHERS = ("torchrun", "forkserver")
 
 #: What the forkserver imports once, before it forks any worker.
-_PRELOAD = [
+PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",
@@ -259,7 +259,7 @@ _PRELOAD = [
     "reshard_svc.sessions",
 ]
 #: The variables torch's elastic agent sets for each worker (kept over the bench's env).
-_AGENT_KEYS = frozenset(
+AGENT_KEYS = frozenset(
     "RANK LOCAL_RANK GROUP_RANK ROLE_RANK ROLE_NAME WORLD_SIZE LOCAL_WORLD_SIZE "
     "GROUP_WORLD_SIZE ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT".split()
 )
@@ -312,28 +312,39 @@ class WorkersFailed(RuntimeError):
     """A forkserver launch whose workers did not all exit 0."""
 
 
-def _forkserver_launch(nproc: int, script: str, argv: list[str], env: dict[str, str]) -> None:
-    import multiprocessing
+def loopback_launch_config(nproc: int, start_method: str) -> Any:
+    """torch's elastic ``LaunchConfig`` for ``nproc`` workers on this host: one node, a
+    c10d rendezvous on a free loopback port, no restarts, a quick monitor. The bench's
+    forkserver launcher and the test suite's harness start their workers with it."""
     import uuid
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     from reshard_svc._process import free_port
 
-    multiprocessing.set_forkserver_preload(_PRELOAD)
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=uuid.uuid4().hex,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
         max_restarts=0,
         monitor_interval=0.05,
-        start_method="forkserver",
+        start_method=start_method,
     )
-    bench_env = {k: v for k, v in env.items() if k not in _AGENT_KEYS}
+
+
+def _forkserver_launch(nproc: int, script: str, argv: list[str], env: dict[str, str]) -> None:
+    import multiprocessing
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    config = loopback_launch_config(nproc, "forkserver")
+    bench_env = {k: v for k, v in env.items() if k not in AGENT_KEYS}
     try:
         elastic_launch(config, _forked_worker)(script, argv, bench_env)
     except ChildFailedError as e:
@@ -345,7 +356,7 @@ def _forked_worker(script: str, argv: list[str], env: dict[str, str]) -> None:
     the script run as ``script --worker ...`` (its output discarded, as torchrun's is)."""
     import runpy
 
-    own = {k: v for k, v in os.environ.items() if k in _AGENT_KEYS or k.startswith("TORCHELASTIC_")}
+    own = {k: v for k, v in os.environ.items() if k in AGENT_KEYS or k.startswith("TORCHELASTIC_")}
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(own)

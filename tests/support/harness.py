@@ -19,28 +19,20 @@ import atexit
 import multiprocessing
 import os
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import elastic_launch
 
+from bench.common import AGENT_KEYS, PRELOAD, loopback_launch_config
 from reshard_svc._process import free_port
 
 __all__ = ["JOBS", "free_port", "job_processes", "run", "start_forkserver", "wait_dead"]
 
-#: Imported once by the forkserver, before it forks any worker.
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch.distributed.tensor",
-    "torch.distributed.checkpoint",
-    "numpy",
-    "reshard_svc",
-    "reshard_svc.sessions",
-    "tests.support.harness",
-]
+#: Imported once by the forkserver, before it forks any worker: the benches' list, and
+#: the suite's own harness.
+_PRELOAD = [*PRELOAD, "reshard_svc", "tests.support.harness"]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
 #: Where a test starts a whole job (a process that calls :func:`run`, to be killed).
@@ -56,22 +48,7 @@ def start_forkserver() -> None:
 
 
 #: The variables torch's elastic agent sets for each worker (the rest is the launcher's env).
-_LAUNCHER_KEYS = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    }
-)
+_LAUNCHER_KEYS = AGENT_KEYS | {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 
 def _launcher_env(env: dict[str, str]) -> dict[str, str]:
@@ -105,18 +82,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any) -> dict[int, Any]:
     # a preloaded, fresh process, and a forkserver of its own would import torch again
     # (~4 s a launch). Its workers are then its children (see :func:`job_processes`).
     in_job = multiprocessing.parent_process() is not None
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": 120},
-        max_restarts=0,
-        monitor_interval=0.05,
-        start_method="fork" if in_job else "forkserver",
-    )
+    config = loopback_launch_config(world_size, "fork" if in_job else "forkserver")
     test_env = {k: v for k, v in os.environ.items() if k not in _launcher_env(dict(os.environ))}
     return elastic_launch(config, _entry)(test_env, os.getcwd(), fn, *args)
 
