@@ -248,16 +248,16 @@ def checksum_speed(mib: int = 256) -> dict[str, float]:
 
 LAUNCHERS = ("torchrun", "forkserver")
 
-#: What the forkserver imports once, before it forks any worker.
-PRELOAD = [
+#: torch and numpy: what any forkserver of workers imports once, before it forks one.
+TORCH_PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
     "numpy",
-    "reshard_svc.runtime.convert",
-    "reshard_svc.sessions",
 ]
+#: What the benches' forkserver imports (its environment is the bench's, set before it).
+PRELOAD = [*TORCH_PRELOAD, "reshard_svc.runtime.convert", "reshard_svc.sessions"]
 #: The variables torch's elastic agent sets for each worker (kept over the bench's env).
 AGENT_KEYS = frozenset(
     "RANK LOCAL_RANK GROUP_RANK ROLE_RANK ROLE_NAME WORLD_SIZE LOCAL_WORLD_SIZE "

@@ -25,14 +25,15 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.launcher.api import elastic_launch
 
-from bench.common import AGENT_KEYS, PRELOAD, loopback_launch_config
+from bench.common import AGENT_KEYS, TORCH_PRELOAD, loopback_launch_config
 from reshard_svc._process import free_port
 
 __all__ = ["JOBS", "free_port", "job_processes", "run", "start_forkserver", "wait_dead"]
 
-#: Imported once by the forkserver, before it forks any worker: the benches' list, and
-#: the suite's own harness.
-_PRELOAD = [*PRELOAD, "reshard_svc", "tests.support.harness"]
+#: Imported once by the forkserver, before it forks any worker. Nothing that imports
+#: fsspec: it reads its configuration (a test's ``FSSPEC_S3``) from the environment when
+#: first imported, and the forkserver's is the session's, not the test's.
+_PRELOAD = [*TORCH_PRELOAD, "reshard_svc", "reshard_svc.sessions", "tests.support.harness"]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
 #: Where a test starts a whole job (a process that calls :func:`run`, to be killed).

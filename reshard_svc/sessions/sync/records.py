@@ -9,9 +9,11 @@ are handed these, never the session itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from reshard_svc.errors import TransferError
 from reshard_svc.layout import Box
 from reshard_svc.plan.items import Read
 from reshard_svc.plan.transfer import TransferPlan
@@ -49,6 +51,29 @@ class Agreed:
     version: int
     held: list[list[int | None]]
     sent: list[list[int | None]]
+
+    @classmethod
+    def of(cls, version: int, table: list[Any]) -> Agreed:
+        """What every rank said (``table``: each rank's version, its last committed one,
+        ``held`` and ``sent``), or :class:`~reshard_svc.errors.TransferError` on every rank
+        when the ranks push different versions or the version does not go up."""
+        other = [(r, t["version"]) for r, t in enumerate(table) if t["version"] != version]
+        if other:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in other[:5])
+            raise TransferError(
+                f"every rank must push the same version: this rank pushes {version}, {shown}"
+            )
+        done = [(t["committed"], r) for r, t in enumerate(table) if t["committed"] is not None]
+        if done:
+            last, rank = max(done)
+            if version <= last:
+                raise TransferError(
+                    f"version {version} does not come after version {last}, which rank {rank} "
+                    "committed: versions must go up (a restarted trainer pushes a new version)"
+                )
+        return cls(
+            version=version, held=[t["held"] for t in table], sent=[t["sent"] for t in table]
+        )
 
 
 @dataclass(kw_only=True)

@@ -60,7 +60,6 @@ from reshard_svc.errors import (
     DistributedError,
     EngineFencedError,
     TransferAbortedError,
-    TransferError,
     UsageError,
 )
 from reshard_svc.plan.budget import Budget, parse_size
@@ -269,18 +268,14 @@ class WeightSync:
                 }
 
             _, table = comm.run_everywhere("sync: agreeing on the version", agree)
-            _check_versions(version, table)
+            agreed = Agreed.of(version, table)  # or every rank raises the same error
             if self._verify:
                 check_sources(entry, local, comm)
         self._push = Push(
             local=local,
             entry=entry,
             cached=cached,
-            agreed=Agreed(
-                version=version,
-                held=[t["held"] for t in table],
-                sent=[t["sent"] for t in table],
-            ),
+            agreed=agreed,
             costs=Costs.agreed([t["costs"] for t in table if t["costs"] is not None]),
             start=start,
         )
@@ -482,23 +477,6 @@ def _mark(placed: Placed) -> tuple[tuple[int, int], ...]:
     """Where a target's memory is and how often it has been written (torch counts every
     in-place write of a tensor and its views)."""
     return tuple((t.data_ptr(), t._version) for _, t in sorted(placed.local.items()))
-
-
-def _check_versions(version: int, table: list[Any]) -> None:
-    other = [(r, t["version"]) for r, t in enumerate(table) if t["version"] != version]
-    if other:
-        shown = ", ".join(f"rank {r}: {v}" for r, v in other[:5])
-        raise TransferError(
-            f"every rank must push the same version: this rank pushes {version}, {shown}"
-        )
-    done = [(t["committed"], r) for r, t in enumerate(table) if t["committed"] is not None]
-    if done:
-        last, rank = max(done)
-        if version <= last:
-            raise TransferError(
-                f"version {version} does not come after version {last}, which rank {rank} "
-                "committed: versions must go up (a restarted trainer pushes a new version)"
-            )
 
 
 def _pieces_sent(plan: TransferPlan, rank: int, geometry: Geometry | None) -> int:
