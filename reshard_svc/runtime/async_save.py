@@ -14,7 +14,7 @@ Order of events, on every rank:
      buffers (pinned host memory for CUDA), reused from one save to the next;
 4. return a :class:`~concurrent.futures.Future`; the saver's one background thread
    collects the files' checksums and rank 0 commits the index last, on the saver's own
-   gloo group. Errors while writing surface from ``future.result()``; a target that cannot
+   gloo group (a manager's saver: on a channel of the manager's group). Errors while writing surface from ``future.result()``; a target that cannot
    be written (or exists without ``overwrite``) raises at the call, before anything is
    staged.
 
@@ -66,7 +66,9 @@ class AsyncSaver:
     """Background saves for one process group. Create it on every rank (collective).
 
     ``stager``: staging shared with another writer (a manager's fast tier); by default the
-    saver's own."""
+    saver's own. ``comm``: a gloo group's :class:`Comm` that the caller's thread drives (a
+    manager's): the saver plans on it and agrees in the background on a channel of it;
+    by default it plans on ``process_group`` and makes a gloo group of its own."""
 
     def __init__(
         self,
@@ -74,20 +76,25 @@ class AsyncSaver:
         max_in_flight: int = 1,
         io_threads: int | str | None = None,
         stager: Stager | None = None,
+        comm: Comm | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise UsageError(f"max_in_flight must be >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         #: each rank's checking writers (None: ``RESHARD_IO_THREADS``, else from the host)
         self.io_threads = None if io_threads is None else count_io_threads(io_threads)
-        self._front = Comm(process_group)  # the caller's thread: planning, staging
-        if dist.is_available() and dist.is_initialized():
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            # Collectives of background saves must never interleave with training's.
-            self._group = dist.new_group(ranks=ranks, backend="gloo")
+        self._group = None  # a gloo group of its own, when no ``comm`` is given
+        self._back: Comm  # driven by the one background thread alone
+        if comm is not None:
+            self._front, self._back = comm, comm.channel("an async save's background thread")
         else:
-            self._group = None
-        self._back = Comm(self._group)  # driven by the one background thread alone
+            self._front = Comm(process_group)  # the caller's thread: planning, staging
+            if dist.is_available() and dist.is_initialized():
+                pg = process_group
+                ranks = None if pg is None else dist.get_process_group_ranks(pg)
+                # Collectives of background saves must never interleave with training's.
+                self._group = dist.new_group(ranks=ranks, backend="gloo")
+            self._back = Comm(self._group)
         # one thread: saves in flight finish (and commit) one after another, in order
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reshard-async-save")
         self._inflight: deque[Future[CheckpointIndex]] = deque()

@@ -5,6 +5,13 @@ or, for sparse plans, point-to-point sends (``batch_isend_irecv``).
 Buffers live on CUDA when the group's backend is NCCL and on the CPU otherwise (gloo), so
 the same code runs on both. Without an initialised process group, a :class:`Comm` is a
 world of one and every collective is a local no-op.
+
+A :class:`Channel` is one more thread's way onto a gloo group that another thread already
+drives with collectives (a checkpoint manager's one group: the caller's thread agrees on
+it, each tier's background thread on its own channel). Collectives would need every rank
+to issue them in one order across the threads; a channel's messages are point-to-point,
+tagged by channel and by how many messages went that way before, so gloo matches each with
+its own and the threads never wait on each other's order.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch.distributed as dist
 
 from reshard_svc.errors import DistributedError
 
-__all__ = ["Comm"]
+__all__ = ["Channel", "Comm"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,6 +49,13 @@ class Comm:
             self.distributed = True
         else:
             self.rank, self.world, self.device, self.distributed = 0, 1, torch.device("cpu"), False
+        self._channels = 0
+
+    def channel(self, what: str) -> Channel:
+        """A new :class:`Channel` on this group for one other thread (``what`` drives
+        it). Every rank opens its channels in the same order."""
+        self._channels += 1
+        return Channel(self, self._channels, what)
 
     # ---- metadata
 
@@ -170,6 +184,97 @@ class Comm:
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+class Channel(Comm):
+    """One thread's agreements and swaps on a group that other threads use too: the same
+    methods as :class:`Comm`, carried by tagged point-to-point messages (gather to rank 0,
+    then back). Only for gloo (NCCL has no tags); one thread drives each channel, and every
+    rank calls its methods in the same order, as with :class:`Comm`."""
+
+    #: a tag is the channel's number over this many bits of message count (a gloo tag is
+    #: a non-negative int32)
+    COUNT_BITS = 24
+
+    def __init__(self, comm: Comm, number: int, what: str) -> None:
+        self.group, self.rank, self.world = comm.group, comm.rank, comm.world
+        self.device, self.distributed = comm.device, comm.distributed
+        self._channels = 0
+        if self.distributed and self.device.type != "cpu":
+            raise DistributedError(f"{what}: a channel needs a gloo group (tagged messages)")
+        if number >= 1 << (31 - self.COUNT_BITS):
+            raise DistributedError(f"{what}: too many channels on one group ({number})")
+        self.what = what
+        self._base = number << self.COUNT_BITS
+        self._sent: dict[int, int] = {}  # peer -> messages sent to it on this channel
+        self._received: dict[int, int] = {}
+
+    def channel(self, what: str) -> Channel:
+        raise DistributedError(f"{what}: open channels on the group's Comm, not on a channel")
+
+    def _tag(self, counts: dict[int, int], peer: int) -> int:
+        n = counts.get(peer, 0)
+        counts[peer] = (n + 1) % (1 << self.COUNT_BITS)
+        return self._base | n
+
+    def _send(self, peer: int, t: torch.Tensor) -> Any:
+        return dist.isend(t, group=self.group, group_dst=peer, tag=self._tag(self._sent, peer))
+
+    def _recv(self, peer: int, t: torch.Tensor) -> Any:
+        return dist.irecv(t, group=self.group, group_src=peer, tag=self._tag(self._received, peer))
+
+    def _send_bytes(self, peer: int, raw: bytes) -> None:
+        n = torch.tensor([len(raw)], dtype=torch.int64)
+        works = [self._send(peer, n)]
+        if raw:
+            works.append(self._send(peer, torch.frombuffer(bytearray(raw), dtype=torch.uint8)))
+        for w in works:
+            w.wait()
+
+    def _recv_bytes(self, peer: int) -> bytes:
+        n = torch.zeros(1, dtype=torch.int64)
+        self._recv(peer, n).wait()
+        if not int(n):
+            return b""
+        buf = torch.empty(int(n), dtype=torch.uint8)
+        self._recv(peer, buf).wait()
+        return bytes(buf.numpy().tobytes())
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        raw = json.dumps(obj).encode()
+        if not self.distributed or self.world == 1:
+            return [json.loads(raw)]
+        if self.rank == 0:
+            whole = b"[" + b",".join([raw, *(self._recv_bytes(r) for r in range(1, self.world))])
+            whole += b"]"
+            for r in range(1, self.world):
+                self._send_bytes(r, whole)
+        else:
+            self._send_bytes(0, raw)
+            whole = self._recv_bytes(0)
+        return list(json.loads(whole))
+
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        every = self.all_gather_json([int(v) for v in values])
+        return [max(column) for column in zip(*every)] if every else []
+
+    def exchange(
+        self,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        *,
+        out: torch.Tensor | None = None,
+        point_to_point: bool = False,
+    ) -> torch.Tensor:
+        """As :meth:`Comm.exchange`, always point to point."""
+        return super().exchange(send, send_splits, recv_splits, out=out, point_to_point=True)
+
+    def swap(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        works = [self._send(r, t) for r, t in sends.items()]
+        works += [self._recv(r, t) for r, t in recvs.items()]
+        for w in works:
+            w.wait()
 
 
 def _jsonable(x: Any) -> bool:

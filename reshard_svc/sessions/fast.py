@@ -2,13 +2,14 @@
 
 ``FastTier(path, every=10, copies=2)`` makes the manager, every ``every`` steps, snapshot
 each rank's shards (a copy into reused staging buffers: the stall) and, in the
-background, on the manager's own gloo group:
+background, on a channel of the manager's gloo group (tagged messages:
+:class:`~reshard_svc.runtime.comm.Channel`):
 
 1. write them as this rank's *part* under its node's fast path (our format: safetensors,
    a partial index, block CRC32Cs; :mod:`reshard_svc.format.fast`);
 2. send the part to ``copies - 1`` ranks on other nodes, which check every block and
    publish it under their own node's fast path;
-3. agree (one all-reduce) that every part has all its copies; then every rank writes the
+3. agree that every part has all its copies; then every rank writes the
    step's commit record on its node and removes the fast steps older than the newest two.
 
 A failure anywhere (a full tmpfs, a bad copy) is a warning on every rank and the step does
@@ -35,7 +36,6 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from reshard_svc._process import fork_call
 from reshard_svc.errors import CheckpointError, ReshardError, TornSnapshotError, UsageError
@@ -208,19 +208,14 @@ class FastSaves:
             "FastTier: the run's token", lambda: None, share=lambda _: uuid.uuid4().hex[:12]
         )
         self.run = str(tokens[0])
-        self._group = None
-        if dist.is_available() and dist.is_initialized():
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self._group = dist.new_group(ranks=ranks, backend="gloo")
-        self._bg = Comm(self._group)  # the background thread's agreements
+        # the background thread's agreements and copies: a channel of the manager's group
+        self._bg = comm.channel("the fast tier's background thread")
         self._lease: Lease | None = None
         try:
             comm.run_everywhere(f"FastTier({tier.path!r}): taking the fast path", self._take)
         except BaseException:
             if self._lease is not None:
                 self._lease.release()
-            if self._group is not None:
-                dist.destroy_process_group(self._group)
             raise
         self._own_stager = stager is None  # else the manager's, shared with its other tier
         self._snapshot = _Snapshot(stager if stager is not None else Stager("the fast tier"))
@@ -404,7 +399,7 @@ class FastSaves:
         sizes first (-1: the sender has none), then the bytes."""
         me = self.comm.rank
         to, sources = self.peers[me], self.senders[me]
-        if self._group is None or (not to and not sources):
+        if not self._bg.distributed or (not to and not sources):
             return {}, ""
         size = torch.tensor([len(blob) if blob is not None else -1], dtype=torch.int64)
         sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
@@ -448,9 +443,6 @@ class FastSaves:
             if self._lease is not None:
                 self._lease.release()
                 self._lease = None
-            if self._group is not None:
-                dist.destroy_process_group(self._group)
-                self._group = None
 
     # ---- restoring (sessions/fast_restore.py)
 

@@ -195,9 +195,10 @@ class CheckpointManager:
         self._hooks = [opt.register_step_pre_hook(self._before_step) for opt in optimizers]
 
     def _start(self, async_save: bool, fast: FastTier | None) -> None:
-        """The manager's gloo group, then its two tiers behind one stager (collective);
-        when the fast tier cannot start, nothing of this manager stays and the root is
-        free again."""
+        """The manager's one gloo group (the caller's thread agrees on it, each tier's
+        background thread on a channel of it), then its two tiers behind one stager
+        (collective); when the fast tier cannot start, nothing of this manager stays and
+        the root is free again."""
         self._group = None
         if dist.is_available() and dist.is_initialized():
             pg = self.process_group

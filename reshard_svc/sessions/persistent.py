@@ -11,7 +11,8 @@ its leftovers) is :class:`~reshard_svc.format.steps.StepFolders`'s; this tier de
 The manager composes it with the fast tier (:mod:`reshard_svc.sessions.fast`) behind the
 same door: ``due`` / ``save`` / ``wait`` / the newest step / ``close``. Threads: the
 caller's thread drives :meth:`PersistentSaves.save` and :meth:`PersistentSaves.finish` (on
-the manager's group); the saver's background thread its own group; the tier's ``post``
+the manager's group); the saver's background thread a channel of that group
+(:class:`~reshard_svc.runtime.comm.Channel`); the tier's ``post``
 thread (``reshard-manager``) waits for each commit and runs retention after it.
 """
 
@@ -91,7 +92,7 @@ class PersistentSaves:
         self._retention = threading.Lock()
         comm.run_everywhere(f"CheckpointManager({root!r}): taking the root", self._take_root)
         self._saver = (
-            AsyncSaver(process_group, io_threads=io_threads, stager=stager) if async_save else None
+            AsyncSaver(io_threads=io_threads, stager=stager, comm=comm) if async_save else None
         )
         # commit, then retention: the pending save is done when both are
         self._post = ThreadPoolExecutor(1, thread_name_prefix="reshard-manager")
