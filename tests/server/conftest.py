@@ -18,6 +18,7 @@ import torch
 import reshard_svc
 from reshard_client import ReshardClient
 from reshard_server.launchers import job_pids
+from tests.support.cli import reshard
 from tests.support.harness import free_port
 
 TOKEN = "test-token-123"
@@ -92,13 +93,7 @@ class Server:
 def cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
     """The ``reshard`` command line against ``server`` (its URL and token from the env)."""
     env = {**os.environ, "RESHARD_URL": server.url, "RESHARD_TOKEN": TOKEN}
-    return subprocess.run(
-        [sys.executable, "-m", "reshard_client.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return reshard(*args, env=env)
 
 
 @pytest.fixture

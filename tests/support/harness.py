@@ -33,7 +33,14 @@ __all__ = ["JOBS", "free_port", "job_processes", "run", "start_forkserver", "wai
 #: Imported once by the forkserver, before it forks any worker. Nothing that imports
 #: fsspec: it reads its configuration (a test's ``FSSPEC_S3``) from the environment when
 #: first imported, and the forkserver's is the session's, not the test's.
-_PRELOAD = [*TORCH_PRELOAD, "reshard_svc", "reshard_svc.sessions", "tests.support.harness"]
+_PRELOAD = [
+    *TORCH_PRELOAD,
+    "reshard_svc",
+    "reshard_svc.sessions",
+    "reshard_client.cli",
+    "tests.support.harness",
+    "tests.support.cli",  # the CLI's commands run in processes forked from here too
+]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
 #: Where a test starts a whole job (a process that calls :func:`run`, to be killed).
