@@ -1,4 +1,6 @@
-"""The README's benchmark commands, each run as written plus its smoke-size flags.
+"""The README's benchmark commands, each run as written plus its smoke-size flags (the
+script in a process of its own forked from the session's preloaded forkserver, as
+``python SCRIPT`` runs it: :mod:`tests.support.cli`).
 
 The full sizes take minutes and gigabytes; the small ones go through the same code paths
 (torchrun workers, our operation and its baseline in the same run) and print the same JSON.
@@ -9,11 +11,11 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.cli import python
 from tests.support.docs import REPO, block
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -105,8 +107,7 @@ def test_readme_bench_command_prints_json(cmd, tmp_path):
     if cmd[0] != ".venv/bin/python":
         raise AssertionError(f"unexpected README bench command {cmd}")
     script = cmd[1]
-    argv = [sys.executable, *cmd[1:], *smoke_flags(script, tmp_path / "scratch", cmd)]
-    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=280)
+    r = python(*cmd[1:], *smoke_flags(script, tmp_path / "scratch", cmd), cwd=REPO, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert lines, r.stdout
@@ -134,8 +135,7 @@ def test_the_link_bench_runs_between_two_emulated_hosts(tmp_path):
         pytest.skip("the link bench needs root and iproute2 (ip, tc)")
     (cmd,) = [shlex.split(line, comments=True) for line in block("link-bench", "bash").splitlines()]
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    argv = [sys.executable, *cmd[1:], "--size", "small", "--runs", "1"]
-    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=280)
+    r = python(*cmd[1:], "--size", "small", "--runs", "1", cwd=REPO, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     (summary,) = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert summary["bench"] == "transfer" and summary["link"] == "10gbit"

@@ -20,7 +20,7 @@ import torch
 import reshard_svc
 from reshard_svc.format.index import INDEX_NAME
 from reshard_svc.storage import open_storage
-from tests.support.cli import reshard
+from tests.support.cli import Command, reshard, start
 
 ROOTS = ["local", pytest.param("s3", marks=pytest.mark.s3)]
 
@@ -38,26 +38,18 @@ def source(base: str) -> tuple[str, dict]:
     return src, sd
 
 
-def start_convert(src: str, dst: str, tp: int, workers: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "reshard_client.cli",
-            "convert",
-            src,
-            dst,
-            "--mesh",
-            f"tp={tp}",
-            "--rules",
-            '{"*": "S(0)"}',
-            "--workers",
-            str(workers),
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def start_convert(src: str, dst: str, tp: int, workers: int, *extra: str) -> Command:
+    return start(
+        "convert",
+        src,
+        dst,
+        "--mesh",
+        f"tp={tp}",
+        "--rules",
+        '{"*": "S(0)"}',
+        "--workers",
+        str(workers),
+        *extra,
     )
 
 
@@ -78,7 +70,7 @@ def one_whole_checkpoint(base: str, name: str, sd: dict) -> dict:
     return index
 
 
-def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+def finish(procs: list[Command]) -> list[tuple[int, str]]:
     """(exit code, stderr) of each, in start order."""
     errs = [p.communicate()[1] for p in procs]
     return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
