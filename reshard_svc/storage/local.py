@@ -341,9 +341,9 @@ class LocalStorage(LocalLease, FsspecStorage):
         token = os.path.basename(staging.root).rsplit("staging-", 1)[-1]
         replaced = set(replaced) | {INDEX_NAME}
         self._check_clash(staging.root, replaced)  # before anything is decided
-        staging.write(INDEX_NAME, index_bytes)
-        if self.sync_files:
-            _fsync_dir(staging.root)
+        # the index's presence is the decision: written beside and renamed in, so a kill
+        # mid-write leaves no torn index for a collection to roll forward
+        staging.replace(INDEX_NAME, index_bytes)
         self.finish_commit(token, replaced)
 
     def _check_clash(self, staging: str, replaced: set[str]) -> None:

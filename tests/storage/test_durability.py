@@ -18,20 +18,24 @@ def journal(monkeypatch):
     """The order of fsyncs (by path) and index writes in this process."""
     monkeypatch.delenv("RESHARD_SYNC_FILES", raising=False)
     events: list[tuple[str, str]] = []
-    real_fsync, real_write = os.fsync, LocalStorage.write
+    real_fsync = os.fsync
 
     def fsync(fd):
         path = os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else str(fd)
         events.append(("fsync", path))
         return real_fsync(fd)
 
-    def write(self, name, data):
-        if name == INDEX_NAME:
-            events.append(("index", self.path(name)))
-        return real_write(self, name, data)
+    def noting(real):  # the index is written (``write``) or written beside and renamed in
+        def write(self, name, data):
+            if name == INDEX_NAME:
+                events.append(("index", self.path(name)))
+            return real(self, name, data)
+
+        return write
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(LocalStorage, "write", write)
+    for method in ("write", "replace"):
+        monkeypatch.setattr(LocalStorage, method, noting(getattr(LocalStorage, method)))
     return events
 
 
