@@ -35,6 +35,9 @@ T = TypeVar("T")
 class Comm:
     """A process group seen by one rank. Every method is called by every rank, in order."""
 
+    #: every :meth:`exchange` goes point to point (a :class:`Channel`: no collectives)
+    POINT_TO_POINT_ONLY = False
+
     def __init__(self, process_group: Any = None) -> None:
         self.group = process_group
         if dist.is_available() and dist.is_initialized():
@@ -140,7 +143,7 @@ class Comm:
             recv = torch.empty(total, dtype=torch.uint8, device=self.device)
         if send.device != self.device:
             send = send.to(self.device)
-        if point_to_point:
+        if point_to_point or self.POINT_TO_POINT_ONLY:
             self._point_to_point(send, send_splits, recv, recv_splits)
         else:
             dist.all_to_all_single(
@@ -195,6 +198,7 @@ class Channel(Comm):
     #: a tag is the channel's number over this many bits of message count (a gloo tag is
     #: a non-negative int32)
     COUNT_BITS = 24
+    POINT_TO_POINT_ONLY = True
 
     def __init__(self, comm: Comm, number: int, what: str) -> None:
         self.group, self.rank, self.world = comm.group, comm.rank, comm.world
@@ -258,21 +262,14 @@ class Channel(Comm):
         every = self.all_gather_json([int(v) for v in values])
         return [max(column) for column in zip(*every)] if every else []
 
-    def exchange(
-        self,
-        send: torch.Tensor,
-        send_splits: Sequence[int],
-        recv_splits: Sequence[int],
-        *,
-        out: torch.Tensor | None = None,
-        point_to_point: bool = False,
-    ) -> torch.Tensor:
-        """As :meth:`Comm.exchange`, always point to point."""
-        return super().exchange(send, send_splits, recv_splits, out=out, point_to_point=True)
-
     def swap(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
-        works = [self._send(r, t) for r, t in sends.items()]
-        works += [self._recv(r, t) for r, t in recvs.items()]
+        """As :meth:`Comm.swap`; what this rank sends itself is copied (gloo has no pair
+        to itself)."""
+        me = self.rank
+        if me in sends or me in recvs:
+            recvs[me].copy_(sends[me])
+        works = [self._send(r, t) for r, t in sends.items() if r != me]
+        works += [self._recv(r, t) for r, t in recvs.items() if r != me]
         for w in works:
             w.wait()
 

@@ -82,6 +82,12 @@ def three_threads_on_one_group(seed: int) -> list[str]:
     _agreements(comm, rank, world, seed * 13 + rank, errors)  # the caller's collectives
     for t in threads:
         t.join()
+    # an exchange on a channel goes point to point: rank r sends r + 1 bytes to each rank
+    send = torch.full(((rank + 1) * world,), rank, dtype=torch.uint8)
+    got = first.exchange(send, [rank + 1] * world, [r + 1 for r in range(world)])
+    want = torch.cat([torch.full((r + 1,), r, dtype=torch.uint8) for r in range(world)])
+    if not torch.equal(got, want):
+        errors.append(f"exchange on a channel: {got.tolist()}")
     try:
         first.channel("nested")
         errors.append("a channel opened a channel")
