@@ -14,9 +14,9 @@ Order of events, on every rank:
      buffers (pinned host memory for CUDA), reused from one save to the next;
 4. return a :class:`~concurrent.futures.Future`; the saver's one background thread
    collects the files' checksums and rank 0 commits the index last, on the saver's own
-   gloo group (a manager's saver: on a channel of the manager's group). Errors while writing surface from ``future.result()``; a target that cannot
-   be written (or exists without ``overwrite``) raises at the call, before anything is
-   staged.
+   gloo group (a manager's saver: on a channel of the manager's group). Errors while
+   writing surface from ``future.result()``; a target that cannot be written (or exists
+   without ``overwrite``) raises at the call, before anything is staged.
 
 After ``async_save`` returns, training may change its tensors freely: the checkpoint holds
 the values at call time.
