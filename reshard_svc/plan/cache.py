@@ -39,10 +39,15 @@ class PlanCache(Generic[V]):
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
 
-    def get_or_build(self, key: Hashable, build: Callable[[], V]) -> V:
+    def get_or_build(
+        self, key: Hashable, build: Callable[[], V], digest: Hashable | None = None
+    ) -> V:
         """The cached value for ``key``, or ``build()`` kept for next time (``key`` is
-        hashed once for both: a 1T model's chunk lists take 0.15 s to hash)."""
-        key = _HashedOnce(key)
+        hashed once for both: a 1T model's chunk lists take 0.15 s to hash). ``digest``,
+        when given, is hashed in its place: a part of the key that tells most keys apart
+        (keys are still compared whole, so a digest shared by unequal keys costs only a
+        comparison)."""
+        key = _HashedOnce(key, digest)
         hit = self.get(key)
         if hit is None:
             hit = build()
@@ -82,9 +87,9 @@ class _HashedOnce:
     key: Hashable
     hash: int
 
-    def __init__(self, key: Hashable) -> None:
+    def __init__(self, key: Hashable, digest: Hashable | None = None) -> None:
         self.key = key.key if isinstance(key, _HashedOnce) else key
-        self.hash = hash(self.key)
+        self.hash = hash(self.key if digest is None else digest)
 
     def __hash__(self) -> int:
         return self.hash

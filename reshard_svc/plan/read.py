@@ -370,8 +370,13 @@ def choose_plan(
         raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
     with _no_gc():
         sigs = _signatures(index, wanted)
-        key = (world, budget, strategy, cost if strategy == "auto" else None, sigs)
-        return PLANS.get_or_build(key, lambda: _choose(index, sigs, world, budget, strategy, cost))
+        head = (world, budget, strategy, cost if strategy == "auto" else None)
+        # hashed: the tensors and their template keys (each hashed once, and needed to
+        # share templates anyway), not every chunk's file and offset; compared: all of it
+        digest = (*head, tuple((name, tkey) for name, tkey, _ in sigs))
+        return PLANS.get_or_build(
+            (*head, sigs), lambda: _choose(index, sigs, world, budget, strategy, cost), digest
+        )
 
 
 @contextlib.contextmanager

@@ -183,13 +183,20 @@ def build_template(
     """Plan one tensor: ``chunks`` as stored, ``targets`` (non-empty boxes, holders)."""
     step = row_step(shape, itemsize, limit)
     by_band: dict[int, list[tuple[int, Box, int]]] = {}
-    for o in overlaps([c[0] for c in chunks], [t.box for t in targets]):
-        if chunks[o.src][1] != "raw":  # read whole, in one band of its own
-            by_band.setdefault(-1, []).append((o.src, o.box, o.dst))
+    for ci, ti, box in overlaps([c[0] for c in chunks], [t.box for t in targets]):
+        if chunks[ci][1] != "raw":  # read whole, in one band of its own
+            by_band.setdefault(-1, []).append((ci, box, ti))
             continue
-        for piece in split_rows(o.box, step):
-            key = piece.offsets[0] // step if piece.ndim else 0
-            by_band.setdefault(key, []).append((o.src, piece, o.dst))
+        if not box.sizes:
+            by_band.setdefault(0, []).append((ci, box, ti))
+            continue
+        lo = box.offsets[0]
+        key = lo // step
+        if (lo + box.sizes[0] - 1) // step == key:  # within one band: no cut
+            by_band.setdefault(key, []).append((ci, box, ti))
+            continue
+        for piece in split_rows(box, step):
+            by_band.setdefault(piece.offsets[0] // step, []).append((ci, piece, ti))
     load = np.zeros(world, dtype=np.int64)  # bytes each rank reads, within this tensor
     relay = _Relay(variant)
     bands, ties = [], 1
@@ -293,17 +300,14 @@ class _Relay:
         n, turn = len(ranks), self.variant
         at = self.done.get(t, 0)
         self.done[t] = at + nbytes
-
-        def via(offset: float) -> int:
-            return ranks[(min(n - 1, int(offset // share)) + turn) % n]
-
         first, last = int(at // share), int((at + max(0, nbytes - 1)) // share)
         if first == last or box.ndim == 0:
-            return [(box, nbytes, via(at + nbytes / 2))]
+            return [(box, nbytes, ranks[(min(n - 1, int((at + nbytes / 2) // share)) + turn) % n])]
         # cut where the holders' stripes end, in units of dim 1 (rows of a 1-D box): a
         # stripe is a few boxes (the end of a row, whole rows, the start of a row)
-        rows = box.sizes[0]
-        cols = box.sizes[1] if box.ndim > 1 else 1
+        sizes = box.sizes
+        rows = sizes[0]
+        cols = sizes[1] if len(sizes) > 1 else 1
         units = rows * cols
         unit = nbytes / units
         cuts = sorted(
@@ -316,36 +320,34 @@ class _Relay:
                 ),
             }
         )
-        out = []
+        numel = box.numel
+        out: list[tuple[Box, int, int]] = []
         for a, b in zip(cuts, cuts[1:]):
-            v = via(at + (a + b) / 2 * unit)
+            v = ranks[(min(n - 1, int((at + (a + b) / 2 * unit) // share)) + turn) % n]
             for piece in _unit_boxes(box, cols, a, b):
-                out.append((piece, piece.numel * nbytes // box.numel, v))
+                out.append((piece, piece.numel * nbytes // numel, v))
         return out
 
 
 def _unit_boxes(box: Box, cols: int, a: int, b: int) -> list[Box]:
     """Units ``[a, b)`` of ``box`` (row-major over dims 0 and 1) as at most three boxes."""
-    lo, o1 = box.offsets[0], box.offsets[1:2]
-    rest_o, rest_s = box.offsets[2:], box.sizes[2:]
-
-    def rows_box(r0: int, r1: int, c0: int, c1: int) -> Box:
-        if box.ndim == 1:
-            return Box.trusted((lo + r0,), (r1 - r0,))
-        return Box.trusted((lo + r0, o1[0] + c0, *rest_o), (r1 - r0, c1 - c0, *rest_s))
-
+    lo = box.offsets[0]
     ra, ca = divmod(a, cols)
     rb, cb = divmod(b, cols)
+    if box.ndim == 1:
+        return [Box.trusted((lo + ra,), (rb - ra,))]  # one unit per row: whole rows
+    o1 = box.offsets[1]
+    rest_o, rest_s = box.offsets[2:], box.sizes[2:]
     if ra == rb:
-        return [rows_box(ra, ra + 1, ca, cb)]
+        return [Box.trusted((lo + ra, o1 + ca, *rest_o), (1, cb - ca, *rest_s))]
     out = []
     if ca:
-        out.append(rows_box(ra, ra + 1, ca, cols))
+        out.append(Box.trusted((lo + ra, o1 + ca, *rest_o), (1, cols - ca, *rest_s)))
         ra += 1
     if rb > ra:
-        out.append(rows_box(ra, rb, 0, cols))
+        out.append(Box.trusted((lo + ra, o1, *rest_o), (rb - ra, cols, *rest_s)))
     if cb:
-        out.append(rows_box(rb, rb + 1, 0, cb))
+        out.append(Box.trusted((lo + rb, o1, *rest_o), (1, cb, *rest_s)))
     return out
 
 
@@ -489,8 +491,14 @@ def _row_cover(chunk: Box, boxes: list[Box]) -> Box:
     """The rows of ``chunk`` (full width) spanning ``boxes``: one contiguous byte range."""
     if chunk.ndim == 0:
         return chunk
-    lo = min(b.offsets[0] for b in boxes)
-    hi = max(b.offsets[0] + b.sizes[0] for b in boxes)
+    if len(boxes) == 1:
+        lo = boxes[0].offsets[0]
+        hi = lo + boxes[0].sizes[0]
+    else:
+        lo = min(b.offsets[0] for b in boxes)
+        hi = max(b.offsets[0] + b.sizes[0] for b in boxes)
+    if lo == chunk.offsets[0] and hi - lo == chunk.sizes[0]:
+        return chunk  # every row of it
     return Box.trusted((lo, *chunk.offsets[1:]), (hi - lo, *chunk.sizes[1:]))
 
 
