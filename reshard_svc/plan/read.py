@@ -526,7 +526,8 @@ def _waves(instances: Sequence[_Instance], world: int, budget: Budget) -> tuple[
     items = [(inst, b) for inst in instances for b in range(len(inst.template.bands))]
     last = [b == len(inst.template.bands) - 1 for inst, b in items]
     costs = (inst.template.bands[b].use for inst, b in items)
+    peaks = (inst.template.bands[b].peak for inst, b in items)
     return tuple(
         BandWave(tuple(items[start:end]), sum(last[start:end]))
-        for start, end in pack(costs, world, budget.total)
+        for start, end in pack(costs, world, budget.total, peaks)
     )

@@ -25,6 +25,7 @@ one copy. Each rank expands only its own pieces (:meth:`Template.holds`).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -89,6 +90,7 @@ class TBand:
     reads: tuple[ChunkRead, ...]
     pieces: tuple[Piece, ...]  # read: index into reads; target: index into the template's
     use: np.ndarray
+    peak: int  # use's largest entry (the same on a rotated variant)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -109,42 +111,32 @@ class Template:
     holder_sets: tuple[frozenset[int] | None, ...] = ()
     #: a rotated variant's relabelling of the shared bands' readers and vias (rank ->
     #: rank), or None: the bands as planned (:meth:`rank_of`)
-    to: tuple[int, ...] | None = None
+    to: np.ndarray | None = None
     #: pieces as landed: a replicated piece once per holder (what ``direct`` would read)
     deliveries: int = 0
 
     def rank_of(self, rank: int) -> int:
         """A reader or via of the bands, as this variant has it."""
-        return self.to[rank] if self.to is not None and rank >= 0 else rank
+        return int(self.to[rank]) if self.to is not None and rank >= 0 else rank
 
     def rotated(self, variant: int, variants: int) -> Template | None:
         """This plan with each replicated holder set's ranks shifted by ``variant`` of
         ``variants`` equal steps (readers and vias move with them), or None when a shift
         would move a box's only holder (holder sets that overlap or share a rank with a
         single-holder box): another tensor's equally good plan, without planning it."""
+        groups = self._rotating
+        if groups is None:
+            return None
         perm = np.arange(len(self.read_bytes), dtype=np.int64)
-        seen: set[frozenset[int]] = set()
-        multi: set[int] = set()
-        singles: set[int] = set()
-        for held, hs in zip(self.targets, self.holder_sets):
-            if hs is None:
-                singles.add(held.holders[0])
-            elif hs not in seen:
-                if not multi.isdisjoint(hs):
-                    return None
-                seen.add(hs)
-                multi |= hs
-                ranks = np.asarray(sorted(hs), dtype=np.int64)
-                perm[ranks] = np.roll(ranks, -(variant * len(ranks) // variants))
-        if not multi or not multi.isdisjoint(singles):
-            return None  # ties among single holders: their readers rotate by planning
+        for ranks in groups:
+            perm[ranks] = np.roll(ranks, -(variant * len(ranks) // variants))
 
         def moved(a: np.ndarray) -> np.ndarray:
             out = np.empty_like(a)
             out[perm] = a
             return out
 
-        bands = tuple(TBand(b.reads, b.pieces, moved(b.use)) for b in self.bands)
+        bands = tuple(TBand(b.reads, b.pieces, moved(b.use), b.peak) for b in self.bands)
         return Template(
             targets=self.targets,
             bands=bands,
@@ -157,9 +149,30 @@ class Template:
             moved=self.moved,
             total=self.total,
             holder_sets=self.holder_sets,
-            to=tuple(perm.tolist()),
+            to=_frozen(perm),
             deliveries=self.deliveries,
         )
+
+    @functools.cached_property
+    def _rotating(self) -> list[np.ndarray] | None:
+        """The replicated holder sets a rotation shifts (sorted ranks), or None when no
+        rotation can be made (see :meth:`rotated`): the same for every variant."""
+        seen: set[frozenset[int]] = set()
+        multi: set[int] = set()
+        singles: set[int] = set()
+        groups = []
+        for held, hs in zip(self.targets, self.holder_sets):
+            if hs is None:
+                singles.add(held.holders[0])
+            elif hs not in seen:
+                if not multi.isdisjoint(hs):
+                    return None
+                seen.add(hs)
+                multi |= hs
+                groups.append(np.asarray(sorted(hs), dtype=np.int64))
+        if not multi or not multi.isdisjoint(singles):
+            return None  # ties among single holders: their readers rotate by planning
+        return groups
 
     def holds(self, target: int, rank: int) -> bool:
         """Whether ``rank`` holds target ``target`` (of this template)."""
@@ -234,7 +247,9 @@ def _plan_band(
                 skip, nb = 0, length
             else:
                 skip, nb = _byte_offset(box, read_box, itemsize), read_box.numel * itemsize
-            reader, tied = _reader(rparts, itemsize, load, variant, groups, relay.heaps)
+            reader, tied = _reader(
+                rparts, itemsize, load, variant, groups, relay.heaps, relay.unions
+            )
             ties = max(ties, tied)
             load[reader] += nb
             sends = nb  # the reader's read buffer, then its send buffers
@@ -269,7 +284,7 @@ def _plan_band(
         )
     for t, n in landed.items():
         use[groups[t][0]] += n  # receive or target buffers on every holder
-    return TBand(tuple(reads), tuple(parts), use), ties
+    return TBand(tuple(reads), tuple(parts), use, int(use.max(initial=0))), ties
 
 
 class _Relay:
@@ -285,6 +300,8 @@ class _Relay:
         self.groups: dict[int, tuple[np.ndarray, frozenset[int]]] = {}
         #: target -> a heap of its holders' (read load, rotated rank, rank) for readers
         self.heaps: dict[int, list[tuple[int, int, int]]] = {}
+        #: targets of one read -> their holders merged, sorted (None: the sets meet)
+        self.unions: dict[tuple[int, ...], np.ndarray | None] = {}
         self.done: dict[int, int] = {}  # target -> its bytes given a via so far
         self.shares: dict[int, tuple[list[int], float]] = {}  # target -> holders, 1/n bytes
 
@@ -351,6 +368,11 @@ def _unit_boxes(box: Box, cols: int, a: int, b: int) -> list[Box]:
     return out
 
 
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
 def _group(
     groups: dict[int, tuple[np.ndarray, frozenset[int]]], target: int, holders: tuple[int, ...]
 ) -> tuple[np.ndarray, frozenset[int]]:
@@ -367,6 +389,7 @@ def _reader(
     turn: int,
     groups: dict[int, tuple[np.ndarray, frozenset[int]]],
     heaps: dict[int, list[tuple[int, int, int]]],
+    unions: dict[tuple[int, ...], np.ndarray | None] | None = None,
 ) -> tuple[int, int]:
     """The rank that does one read (:func:`least_loaded`: the holder receiving most of it,
     then the least loaded, rotated by ``turn``) and how many were equally good."""
@@ -387,12 +410,18 @@ def _reader(
                 return r, len(dests)
             heapq.heapreplace(heap, (now, key, r))
     if all(len(ds) == 1 for _, _, ds in rparts):  # a few single destinations
+        if all(ds == dests for _, _, ds in rparts):
+            return dests[0], 1  # all of it to one rank: that rank reads it
         recv: dict[int, int] = {}
         for inter, _, ds in rparts:
             recv[ds[0]] = recv.get(ds[0], 0) + inter.numel * itemsize
         reader = least_loaded(list(recv), load, prefer=recv, turn=turn)  # type: ignore[arg-type]
         return reader, sum(1 for v in recv.values() if v == recv[reader])
     # several replicated targets' parts (thousands of holders): least_loaded over arrays
+    if unions is not None and all(len(ds) > 1 for _, _, ds in rparts):
+        got = _disjoint_reader(rparts, itemsize, load, turn, groups, unions)
+        if got is not None:
+            return got
     bytes_to = np.zeros(len(load), dtype=np.int64)
     holds = np.zeros(len(load), dtype=bool)
     for inter, t, ds in rparts:
@@ -402,6 +431,39 @@ def _reader(
     cand = np.flatnonzero(holds)  # sorted, as least_loaded's ties are
     most = cand[bytes_to[cand] == bytes_to[cand].max()]  # the holders receiving most of it
     tied = most[load[most] == load[most].min()]  # then the least loaded
+    return int(tied[turn % len(tied)]), len(most)
+
+
+def _disjoint_reader(
+    rparts: list[tuple[Box, int, tuple[int, ...]]],
+    itemsize: int,
+    load: np.ndarray,
+    turn: int,
+    groups: dict[int, tuple[np.ndarray, frozenset[int]]],
+    unions: dict[tuple[int, ...], np.ndarray | None],
+) -> tuple[int, int] | None:
+    """:func:`_reader`'s array rule where the parts' holder sets are disjoint (a row of
+    column-split replicated targets: each rank receives its own target's part, so the
+    ranks receiving most are the holders of the largest parts), without an array of every
+    rank; None where the sets meet. ``unions`` keeps, per tuple of targets, their holders
+    merged and sorted (or None: they meet)."""
+    sizes = [inter.numel * itemsize for inter, _, _ in rparts]
+    every = tuple(t for _, t, _ in rparts)
+    if every not in unions:
+        merged = np.concatenate([_group(groups, t, ds)[0] for _, t, ds in rparts])
+        merged.sort()
+        unions[every] = merged if bool((merged[1:] != merged[:-1]).all()) else None
+    if unions[every] is None:
+        return None
+    top = max(sizes)
+    key = tuple(t for t, n in zip(every, sizes) if n == top)
+    most = unions.get(key) if key != every else unions[every]
+    if most is None:
+        most = np.concatenate([groups[t][0] for t in key])
+        most.sort()
+        unions[key] = most
+    low = load[most]
+    tied = most[low == low.min()]  # then the least loaded
     return int(tied[turn % len(tied)]), len(most)
 
 

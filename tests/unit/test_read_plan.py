@@ -380,7 +380,7 @@ def test_the_plan_cache_hashes_a_key_once_and_matches_equal_keys():
     assert {once: 1}[(1, (2, 3))] == 1
 
 
-def _reference_reader(rparts, itemsize, load, turn, groups, heaps):
+def _reference_reader(rparts, itemsize, load, turn, groups, heaps, unions=None):
     """The reader rule as it was before the planner took it over arrays: the holders'
     received bytes in a dict, then :func:`least_loaded` (the heap path is unchanged)."""
     from reshard_svc.layout.balance import least_loaded
