@@ -480,3 +480,63 @@ def test_the_array_reader_chooses_as_least_loaded_does(world, parts, loads, turn
             recv[h] = recv.get(h, 0) + inter.numel * 2
     reader = least_loaded(list(recv), load, prefer=recv, turn=turn)
     assert got == (reader, sum(1 for v in recv.values() if v == recv[reader]))
+
+
+def _whole_plan(plan: ReadPlan) -> list:
+    """Everything a plan gives the executor: the bands, the totals, and per wave its reads
+    and pieces with every rank relabelled (a rotated variant's included)."""
+    waves = [(w.reads, w.pieces, w.crosses, w.relays, w.nbytes) for w in plan.waves]
+    return [_plan_shape(plan), waves]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(problems(), world_sharded_to_replicated()))
+def test_the_planners_shortcuts_plan_exactly_what_the_general_paths_planned(problem):
+    """The planner's shortcuts (overlaps looked up on the targets' interval grid, the
+    reader of disjoint replicated holder sets from their merged holders, waves packed
+    under the bound of their bands' peaks) against the general paths they skip (the
+    interval join, the reader over arrays of every rank, every rank checked per band):
+    whole plans equal, random layouts and world-sharded sources into replicated targets
+    alike."""
+    from reshard_svc.layout import box
+    from reshard_svc.plan import packing, read, template
+    from reshard_svc.plan.read import PLANS
+
+    PLANS.clear()
+    now = _whole_plan(plan_for(*problem)[1])
+    pack = packing.pack
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(box, "_on_a_grid", lambda *a: False)
+        mp.setattr(template, "_disjoint_reader", lambda *a: None)
+        mp.setattr(
+            read, "pack", lambda costs, world, budget, peaks=None: pack(costs, world, budget)
+        )
+        PLANS.clear()
+        before = _whole_plan(plan_for(*problem)[1])
+    PLANS.clear()
+    assert now == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    costs=st.lists(st.lists(st.integers(0, 50), min_size=3, max_size=3), max_size=20),
+    budget=st.integers(0, 120),
+)
+def test_packing_under_the_bound_of_peaks_groups_as_checking_every_rank_does(costs, budget):
+    import numpy as np
+
+    from reshard_svc.plan.packing import pack
+
+    arrays = [np.asarray(c, dtype=np.int64) for c in costs]
+    peaks = [max(c) for c in costs]
+    assert list(pack(arrays, 3, budget, peaks)) == list(pack(arrays, 3, budget))
+    # the reference: a group closes before the item that takes any rank over the budget
+    groups, start, use = [], 0, [0, 0, 0]
+    for i, c in enumerate(costs):
+        if i > start and any(u + x > budget for u, x in zip(use, c)):
+            groups.append((start, i))
+            start, use = i, [0, 0, 0]
+        use = [u + x for u, x in zip(use, c)]
+    if costs:
+        groups.append((start, len(costs)))
+    assert list(pack(arrays, 3, budget, peaks)) == groups
