@@ -28,8 +28,6 @@ The plan speaks :mod:`reshard_svc.plan.items` (:class:`Read`, :class:`Piece`,
 from __future__ import annotations
 
 import bisect
-import contextlib
-import gc
 import itertools
 import logging
 import math
@@ -40,6 +38,7 @@ from typing import Any, overload
 
 import numpy as np
 
+from reshard_svc._collector import collector_paused
 from reshard_svc.errors import UsageError
 from reshard_svc.format.index import CheckpointIndex, Chunk
 from reshard_svc.layout import Box
@@ -368,7 +367,7 @@ def choose_plan(
     """
     if strategy not in ("auto", "exchange", "direct"):
         raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
-    with _no_gc():
+    with collector_paused():  # millions of small acyclic objects: no collection mid-plan
         sigs = _signatures(index, wanted)
         head = (world, budget, strategy, cost if strategy == "auto" else None)
         # hashed: the tensors and their template keys (each hashed once, and needed to
@@ -377,19 +376,6 @@ def choose_plan(
         return PLANS.get_or_build(
             (*head, sigs), lambda: _choose(index, sigs, world, budget, strategy, cost), digest
         )
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """The cyclic GC paused while a plan is built: a plan allocates millions of small,
-    acyclic objects, and the collections they trigger cost a quarter of planning."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _choose(

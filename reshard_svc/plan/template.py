@@ -470,9 +470,10 @@ def _disjoint_reader(
 def _summarize(
     targets: tuple[Held, ...], bands: tuple[TBand, ...], ties: int, world: int
 ) -> Template:
-    read_bytes = np.zeros(world, dtype=np.int64)
-    sent_bytes = np.zeros(world, dtype=np.int64)
-    recv_bytes = np.zeros(world, dtype=np.int64)
+    # summed in lists (a numpy element's += costs more than the sum), arrays at the end
+    read_bytes = [0] * world
+    sent_bytes = [0] * world
+    recv_bytes = [0] * world
     sets = tuple(frozenset(t.holders) if len(t.holders) > 1 else None for t in targets)
     landed: dict[int, int] = {}  # replicated target -> bytes every holder lands
     offsets = []
@@ -506,15 +507,16 @@ def _summarize(
                 moved += p.nbytes
                 sent_bytes[src] += p.nbytes
                 recv_bytes[p.dest] += p.nbytes
+    received = np.asarray(recv_bytes, dtype=np.int64)
     for t, n in landed.items():
-        recv_bytes[np.asarray(targets[t].holders)] += n
+        received[np.asarray(targets[t].holders)] += n
     return Template(
         targets=targets,
         bands=bands,
         ties=ties,
-        read_bytes=read_bytes,
-        sent_bytes=sent_bytes,
-        recv_bytes=recv_bytes,
+        read_bytes=np.asarray(read_bytes, dtype=np.int64),
+        sent_bytes=np.asarray(sent_bytes, dtype=np.int64),
+        recv_bytes=received,
         read_offsets=tuple(offsets),
         n_reads=n_reads,
         moved=moved,
