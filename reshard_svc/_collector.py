@@ -16,11 +16,18 @@ __all__ = ["collector_paused"]
 
 
 @contextlib.contextmanager
-def collector_paused(freeze: bool = False) -> Iterator[None]:
+def collector_paused(freeze: bool = False, settle: bool = False) -> Iterator[None]:
     """Run the body with the collector off and restore it after, even on error (nested
     uses are fine: only the outermost one turns it back on). ``freeze=True`` then moves
     every object alive at the end into the permanent generation (for long-lived imports),
-    so later collections no longer walk them."""
+    so later collections no longer walk them.
+
+    ``settle=True`` (for a body that builds something long-lived and acyclic, a plan)
+    moves what the body left alive to the oldest generation, unwalked: turned back on,
+    the collector would otherwise walk every object of it in a young collection at once,
+    and again in the next (0.4 s of a 1T plan's 2 s). Full collections still walk them,
+    and reference counting frees them as ever. Done by freezing and unfreezing, so only
+    where nothing is frozen (an unfreeze would thaw it), from an outermost pause."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -28,5 +35,8 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
     finally:
         if freeze:
             gc.freeze()
+        elif settle and was_enabled and not gc.get_freeze_count():
+            gc.freeze()
+            gc.unfreeze()
         if was_enabled:
             gc.enable()

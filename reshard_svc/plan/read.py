@@ -28,12 +28,12 @@ The plan speaks :mod:`reshard_svc.plan.items` (:class:`Read`, :class:`Piece`,
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import math
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, overload
 
 import numpy as np
@@ -367,7 +367,9 @@ def choose_plan(
     """
     if strategy not in ("auto", "exchange", "direct"):
         raise UsageError(f"strategy must be auto, exchange or direct, got {strategy!r}")
-    with collector_paused():  # millions of small acyclic objects: no collection mid-plan
+    # a plan is hundreds of thousands of small acyclic objects, kept: no collection
+    # mid-plan, and none walking them as young objects after
+    with collector_paused(settle=True):
         sigs = _signatures(index, wanted)
         head = (world, budget, strategy, cost if strategy == "auto" else None)
         # hashed: the tensors and their template keys (each hashed once, and needed to
@@ -422,9 +424,9 @@ def _signatures(index: CheckpointIndex, wanted: Mapping[str, Sequence[Held]]) ->
         holders = tuple(map(_HOLDERS, held))
         if not set(map(type, holders)) <= {tuple}:
             holders = tuple(tuple(h) for h in holders)
-        if 0 in itertools.chain.from_iterable(map(_SIZES, boxes)):  # drop empty boxes
-            keep = [i for i, (_, sizes) in enumerate(geo) if 0 not in sizes]
-            geo, holders = tuple(geo[i] for i in keep), tuple(holders[i] for i in keep)
+        full = tuple(map(all, map(_SIZES, boxes)))  # no size 0: a box not empty
+        if not all(full):  # drop empty boxes
+            geo, holders = tuple(compress(geo, full)), tuple(compress(holders, full))
         tkey = HashOnce((meta.shape, meta.itemsize, meta.plan_chunks, geo, holders))
         sigs.append((name, tkey, meta.plan_places))
     return tuple(sigs)

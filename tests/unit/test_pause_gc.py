@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -102,3 +103,39 @@ def test_index_parsing_runs_with_the_collector_off(tmp_path, monkeypatch):
     monkeypatch.setattr(index_mod.json, "loads", spy)
     assert "w" in index_mod.CheckpointIndex.loads(raw).tensors
     assert during == [False] and gc.isenabled()
+
+
+def test_settle_moves_what_the_body_left_to_the_oldest_generation_and_thaws_nothing():
+    gc.unfreeze()
+    gc.collect()
+    with collector_paused(settle=True):
+        kept = [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert all(id(o) in oldest for o in kept)  # not walked by a young collection
+    assert gc.get_count()[0] < 100
+    # a cycle made inside is still collected, by a full collection
+    with collector_paused(settle=True):
+        cycle: list = []
+        cycle.append(cycle)
+        ref = weakref.ref(Node(cycle))
+    del cycle
+    gc.collect()
+    assert ref() is None
+    # where something is frozen (the worker freezes its imports) nothing is thawed
+    try:
+        with collector_paused(freeze=True):
+            frozen = [[] for _ in range(100)]
+        before = gc.get_freeze_count()
+        with collector_paused(settle=True):
+            more = [[] for _ in range(100)]
+        assert gc.get_freeze_count() == before and frozen and more
+    finally:
+        gc.unfreeze()
+
+
+class Node:
+    """A weakly referenceable object held by a cycle."""
+
+    def __init__(self, cycle: list) -> None:
+        cycle.append(self)
