@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["HashOnce", "PlanCache"]
+__all__ = ["PlanCache", "SampledKey"]
 
 V = TypeVar("V")
 
@@ -68,16 +68,32 @@ class PlanCache(Generic[V]):
         return len(self._entries)
 
 
-class HashOnce(tuple):  # type: ignore[type-arg]
-    """A tuple (of immutable items) that computes its hash once: a plan's per-tensor key
-    holds the tensor's whole chunk list and target boxes, and is hashed by the cache key
-    and again to share its template."""
+class SampledKey(tuple):  # type: ignore[type-arg]
+    """A tuple of immutable items hashed, once, by a sample of them: each item that is a
+    long tuple (a tensor's chunk list, its target boxes, their holders) gives its length
+    and five items spread over it, not every one. A 1T model's per-tensor keys hold 1.6 M
+    chunks: hashing them whole took 0.28 s a plan, and comparing, whole, the keys whose
+    hashes meet takes 0.05 s. Equal keys have equal samples, so equal hashes; a key equals
+    only another :class:`SampledKey` (a plain tuple is hashed otherwise)."""
 
     def __hash__(self) -> int:
         h = self.__dict__.get("hash")
         if h is None:
-            h = self.__dict__["hash"] = tuple.__hash__(self)
+            h = self.__dict__["hash"] = hash(tuple(map(_sample, self)))
         return int(h)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is SampledKey and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+
+def _sample(item: object) -> object:
+    if type(item) is tuple and len(item) > 8:
+        n = len(item)
+        return (n, item[0], item[n // 4], item[n // 2], item[3 * n // 4], item[-1])
+    return item
 
 
 class _HashedOnce:

@@ -43,7 +43,7 @@ from reshard_svc.errors import UsageError
 from reshard_svc.format.index import CheckpointIndex, Chunk
 from reshard_svc.layout import Box
 from reshard_svc.plan.budget import Budget
-from reshard_svc.plan.cache import HashOnce, PlanCache
+from reshard_svc.plan.cache import PlanCache, SampledKey
 from reshard_svc.plan.cost import StorageCost
 from reshard_svc.plan.items import Held, Piece, Read, Target
 from reshard_svc.plan.packing import pack
@@ -372,8 +372,8 @@ def choose_plan(
     with collector_paused(settle=True):
         sigs = _signatures(index, wanted)
         head = (world, budget, strategy, cost if strategy == "auto" else None)
-        # hashed: the tensors and their template keys (each hashed once, and needed to
-        # share templates anyway), not every chunk's file and offset; compared: all of it
+        # hashed: the tensors and their template keys (each hashed once, by a sample, as
+        # sharing templates needs), not every chunk's file and offset; compared: all of it
         digest = (*head, tuple((name, tkey) for name, tkey, _ in sigs))
         return PLANS.get_or_build(
             (*head, sigs), lambda: _choose(index, sigs, world, budget, strategy, cost), digest
@@ -427,7 +427,7 @@ def _signatures(index: CheckpointIndex, wanted: Mapping[str, Sequence[Held]]) ->
         full = tuple(map(all, map(_SIZES, boxes)))  # no size 0: a box not empty
         if not all(full):  # drop empty boxes
             geo, holders = tuple(compress(geo, full)), tuple(compress(holders, full))
-        tkey = HashOnce((meta.shape, meta.itemsize, meta.plan_chunks, geo, holders))
+        tkey = SampledKey((meta.shape, meta.itemsize, meta.plan_chunks, geo, holders))
         sigs.append((name, tkey, meta.plan_places))
     return tuple(sigs)
 

@@ -360,7 +360,7 @@ def test_cost_settings_come_from_the_environment(monkeypatch):
 
 
 def test_the_plan_cache_hashes_a_key_once_and_matches_equal_keys():
-    from reshard_svc.plan.cache import HashOnce, PlanCache
+    from reshard_svc.plan.cache import PlanCache
 
     class Counted(tuple):
         hashes = 0
@@ -375,9 +375,22 @@ def test_the_plan_cache_hashes_a_key_once_and_matches_equal_keys():
     assert Counted.hashes == 1  # one hash for the lookup and the store
     assert cache.get_or_build(Counted((1, (2, 3))), lambda: "again") == "built"  # equal, not same
     assert cache.get_or_build((1, (2, 4)), lambda: "other") == "other"
-    once = HashOnce((1, (2, 3)))
-    assert once == (1, (2, 3)) and hash(once) == hash((1, (2, 3))) == hash(once)
-    assert {once: 1}[(1, (2, 3))] == 1
+    # a digest hashed in the key's place: keys still compared whole
+    assert cache.get_or_build((1, (2, 5)), lambda: "digested", digest=1) == "digested"
+    assert cache.get_or_build((1, (2, 5)), lambda: "again", digest=1) == "digested"
+    assert cache.get_or_build((1, (2, 6)), lambda: "same digest", digest=1) == "same digest"
+
+
+def test_a_sampled_key_is_hashed_by_a_sample_and_compared_whole():
+    from reshard_svc.plan.cache import SampledKey
+
+    chunks = tuple((i, i + 1) for i in range(100))
+    other = chunks[:37] + ((37, 99),) + chunks[38:]  # differs where no sample looks
+    a, b, c = SampledKey((4, chunks)), SampledKey((4, tuple(chunks))), SampledKey((4, other))
+    assert a == b and hash(a) == hash(b)
+    assert hash(a) == hash(c) and a != c  # the same sample: told apart by comparing
+    assert {a: 1, c: 2}[b] == 1 and {a: 1, c: 2}[SampledKey((4, other))] == 2
+    assert a != (4, chunks) and SampledKey((4, chunks[:-1])) != a  # only its own kind
 
 
 def _reference_reader(rparts, itemsize, load, turn, groups, heaps, unions=None):
