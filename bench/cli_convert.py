@@ -1,7 +1,8 @@
 """The ``reshard convert`` command line, end to end: marginal cost per GiB against ``cp -r``.
 
 A TP=2 bf16 checkpoint of 1 GiB and one of 1 MiB (Llama-shaped: column- and row-parallel
-weights) are converted to TP=4 by ``reshard convert SRC DST --mesh tp=4 --workers 2`` (a
+weights, ``--cases mixed``; or every weight split by columns, ``column``) are converted
+to TP=4 by ``reshard convert SRC DST --mesh tp=4 --workers 2`` (a
 fresh CLI process, torchrun, two gloo workers, every source block checked, block CRC32Cs
 written) and copied with ``cp -r``, interleaved, ``--runs`` times each, in each folder
 given (tmpfs and disk by default). The fixed costs (interpreter start, torchrun, process
@@ -18,7 +19,8 @@ floor of such a copy is measured too: ``cp -r`` then one CRC32C pass over every 
 file in 1 MiB blocks (``cp-crc``; ``cp-crc-sync`` syncs them after), and ``convert`` is
 held against both.
 
-    python bench/cli_convert.py [--size full|large|small] [--runs 3] [--dirs /dev/shm/reshard-cli,/tmp/reshard-cli]
+    python bench/cli_convert.py [--size full|large|small] [--runs 3] [--cases mixed,column]
+                                [--dirs /dev/shm/reshard-cli,/tmp/reshard-cli]
 
 ``--size large`` converts 3 GiB instead of 1 GiB: the CLI's fixed cost (4-6 s) varies by
 more than 1 GiB costs, so the 1 GiB difference of medians is noisy at a few runs.
@@ -49,8 +51,19 @@ SIZES = {  # --size -> {label: (layers, hidden, ffn)}: the big and the tiny chec
 STARTUP_SHAPE = (1, 512, 1536)  # 6.5 MiB
 
 
-def build(path: str, shape: tuple[int, int, int]) -> int:
-    """A TP=2 checkpoint at ``path``; returns its tensor bytes."""
+#: --cases -> each weight's placement on both sides (TP=2 saved, TP=4 wanted). ``mixed``:
+#: Llama's tensor parallelism (column-parallel ``wqkv``/``w13`` split by rows, row-parallel
+#: ``wo``/``w2`` split by columns: 31 % of the bytes); ``column``: every weight split by
+#: columns (every output row a slice of a source row: the gather on every byte).
+CASES = {
+    "mixed": {"wqkv": "S(0)", "wo": "S(1)", "w13": "S(0)", "w2": "S(1)"},
+    "column": {"wqkv": "S(1)", "wo": "S(1)", "w13": "S(1)", "w2": "S(1)"},
+}
+
+
+def build(path: str, shape: tuple[int, int, int], case: str = "mixed") -> int:
+    """A TP=2 checkpoint at ``path`` (placements of ``CASES[case]``); returns its tensor
+    bytes."""
     import torch
 
     import reshard_svc
@@ -58,12 +71,13 @@ def build(path: str, shape: tuple[int, int, int]) -> int:
     layers, h, f = shape
     g = torch.Generator().manual_seed(0)
     sd, rules = {}, {}
+    split = CASES[case]
     for i in range(layers):
         for name, shape, pl in (
-            ("wqkv", (3 * h, h), "S(0)"),
-            ("wo", (h, h), "S(1)"),
-            ("w13", (2 * f, h), "S(0)"),
-            ("w2", (h, f), "S(1)"),
+            ("wqkv", (3 * h, h), split["wqkv"]),
+            ("wo", (h, h), split["wo"]),
+            ("w13", (2 * f, h), split["w13"]),
+            ("w2", (h, f), split["w2"]),
             ("norm", (h,), "R"),
         ):
             key = f"layers.{i}.{name}"
@@ -113,12 +127,12 @@ def timed(cmd: list[str], extra_env: dict[str, str]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_dir(base: str, runs: int, size: str = "full") -> dict:
+def bench_dir(base: str, runs: int, size: str = "full", case: str = "mixed") -> dict:
     shapes = SIZES[size]
     big, tiny = shapes
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
-    sizes = {s: build(f"{base}/src-{s}", shape) for s, shape in shapes.items()}
+    sizes = {s: build(f"{base}/src-{s}", shape, case) for s, shape in shapes.items()}
     os.sync()  # the sources' writeback must not land inside the timed runs
     walls: dict[str, list[float]] = {}
     cli = [sys.executable, "-m", "reshard_client.cli", "convert"]
@@ -153,6 +167,7 @@ def bench_dir(base: str, runs: int, size: str = "full") -> dict:
                 {
                     "bench": "cli_convert",
                     "dir": base,
+                    "case": case,
                     "op": k,
                     "wall_s": round(med[k], 3),
                     "wall_s_all": [round(x, 3) for x in v],
@@ -164,6 +179,7 @@ def bench_dir(base: str, runs: int, size: str = "full") -> dict:
     return {
         "bench": "cli_convert",
         "dir": base,
+        "case": case,
         "runs": runs,
         **{f"marginal_{op.replace('-', '_')}_s_per_gib": round(v, 3) for op, v in marginal.items()},
         "marginal_ratio_convert_over_cp_sync": round(marginal["convert"] / marginal["cp-sync"], 2),
@@ -230,6 +246,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dirs", default="/dev/shm/reshard-cli,/tmp/reshard-cli")
     ap.add_argument("--startup-only", action="store_true", help="only the fixed cost")
+    ap.add_argument("--cases", default="mixed,column", help=f"placements, of {', '.join(CASES)}")
     ap.add_argument("--crc-files", help=argparse.SUPPRESS)  # the cp-crc floor's CRC pass
     args = ap.parse_args()
     if args.crc_files:
@@ -240,7 +257,10 @@ def main() -> None:
     if args.startup_only:
         return
     for base in dirs:
-        print(json.dumps(bench_dir(base, args.runs, args.size)))
+        for case in args.cases.split(","):
+            if case not in CASES:
+                raise SystemExit(f"--cases: {case!r} is not one of {', '.join(CASES)}")
+            print(json.dumps(bench_dir(base, args.runs, args.size, case)))
 
 
 if __name__ == "__main__":
