@@ -397,11 +397,11 @@ def _reference_reader(rparts, itemsize, load, turn, groups, heaps, unions=None):
     """The reader rule as it was before the planner took it over arrays: the holders'
     received bytes in a dict, then :func:`least_loaded` (the heap path is unchanged)."""
     from reshard_svc.layout.balance import least_loaded
-    from reshard_svc.plan import template
+    from reshard_svc.plan import readers
 
     _, _, dests = rparts[0]
     if len(dests) > 1 and all(d is dests or d == dests for _, _, d in rparts[1:]):
-        return template._reader_before_arrays(rparts, itemsize, load, turn, groups, heaps)
+        return readers.reader_before_arrays(rparts, itemsize, load, turn, groups, heaps)
     recv: dict[int, int] = {}
     for inter, _, ds in rparts:
         for h in ds:
@@ -445,14 +445,14 @@ def test_the_array_reader_plans_exactly_what_the_dict_reader_planned(problem):
     """The reader over arrays (every rank's received bytes and load at once) chooses what
     least_loaded over a dict of holders chose: whole plans are equal, random layouts and
     world-sharded sources into replicated targets alike."""
-    from reshard_svc.plan import template
+    from reshard_svc.plan import readers
     from reshard_svc.plan.read import PLANS
 
     PLANS.clear()
     now = _plan_shape(plan_for(*problem)[1])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(template, "_reader_before_arrays", template._reader, raising=False)
-        mp.setattr(template, "_reader", _reference_reader)
+        mp.setattr(readers, "reader_before_arrays", readers.choose_reader, raising=False)
+        mp.setattr(readers, "choose_reader", _reference_reader)
         PLANS.clear()
         before = _plan_shape(plan_for(*problem)[1])
     PLANS.clear()
@@ -475,7 +475,7 @@ def test_the_array_reader_chooses_as_least_loaded_does(world, parts, loads, turn
     and turn: the same reader and the same count of equally good ones."""
     import numpy as np
 
-    from reshard_svc.plan import template
+    from reshard_svc.plan import readers
 
     rparts = []
     for t, (n, holders) in enumerate(parts):
@@ -484,7 +484,7 @@ def test_the_array_reader_chooses_as_least_loaded_does(world, parts, loads, turn
     if all(d == rparts[0][2] for _, _, d in rparts) and len(rparts[0][2]) > 1:
         rparts[0] = (rparts[0][0], rparts[0][1], (rparts[0][2][0],))  # not the heap's case
     load = np.asarray(loads[:world], dtype=np.int64)
-    got = template._reader(rparts, 2, load, turn, {}, {})
+    got = readers.choose_reader(rparts, 2, load, turn, {}, {})
     from reshard_svc.layout.balance import least_loaded
 
     recv: dict[int, int] = {}
@@ -512,7 +512,7 @@ def test_the_planners_shortcuts_plan_exactly_what_the_general_paths_planned(prob
     whole plans equal, random layouts and world-sharded sources into replicated targets
     alike."""
     from reshard_svc.layout import box
-    from reshard_svc.plan import packing, read, template
+    from reshard_svc.plan import packing, read, readers
     from reshard_svc.plan.read import PLANS
 
     PLANS.clear()
@@ -520,7 +520,7 @@ def test_the_planners_shortcuts_plan_exactly_what_the_general_paths_planned(prob
     pack = packing.pack
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(box, "_on_a_grid", lambda *a: False)
-        mp.setattr(template, "_disjoint_reader", lambda *a: None)
+        mp.setattr(readers, "disjoint_reader", lambda *a: None)
         mp.setattr(
             read, "pack", lambda costs, world, budget, peaks=None: pack(costs, world, budget)
         )
