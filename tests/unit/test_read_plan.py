@@ -446,17 +446,28 @@ def test_the_array_reader_plans_exactly_what_the_dict_reader_planned(problem):
     least_loaded over a dict of holders chose: whole plans are equal, random layouts and
     world-sharded sources into replicated targets alike."""
     from reshard_svc.plan import readers
+
+    def before(mp):
+        mp.setattr(readers, "reader_before_arrays", readers.choose_reader, raising=False)
+        mp.setattr(readers, "choose_reader", _reference_reader)
+
+    now, then = _planned_now_and_with(problem, before, _plan_shape)
+    assert now == then
+
+
+def _planned_now_and_with(problem, patch, shape):
+    """``shape`` of the plan for ``problem`` as the planner makes it, and as it makes it
+    with ``patch(monkeypatch)`` applied (each from scratch: the plan cache cleared)."""
     from reshard_svc.plan.read import PLANS
 
     PLANS.clear()
-    now = _plan_shape(plan_for(*problem)[1])
+    now = shape(plan_for(*problem)[1])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(readers, "reader_before_arrays", readers.choose_reader, raising=False)
-        mp.setattr(readers, "choose_reader", _reference_reader)
+        patch(mp)
         PLANS.clear()
-        before = _plan_shape(plan_for(*problem)[1])
+        then = shape(plan_for(*problem)[1])
     PLANS.clear()
-    assert now == before
+    return now, then
 
 
 @settings(max_examples=300, deadline=None)
@@ -513,21 +524,18 @@ def test_the_planners_shortcuts_plan_exactly_what_the_general_paths_planned(prob
     alike."""
     from reshard_svc.layout import box
     from reshard_svc.plan import packing, read, readers
-    from reshard_svc.plan.read import PLANS
 
-    PLANS.clear()
-    now = _whole_plan(plan_for(*problem)[1])
     pack = packing.pack
-    with pytest.MonkeyPatch.context() as mp:
+
+    def general(mp):
         mp.setattr(box, "_on_a_grid", lambda *a: False)
         mp.setattr(readers, "disjoint_reader", lambda *a: None)
         mp.setattr(
             read, "pack", lambda costs, world, budget, peaks=None: pack(costs, world, budget)
         )
-        PLANS.clear()
-        before = _whole_plan(plan_for(*problem)[1])
-    PLANS.clear()
-    assert now == before
+
+    now, then = _planned_now_and_with(problem, general, _whole_plan)
+    assert now == then
 
 
 @settings(max_examples=200, deadline=None)
