@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 __all__ = ["collector_paused"]
@@ -33,10 +34,15 @@ def collector_paused(freeze: bool = False, settle: bool = False) -> Iterator[Non
     try:
         yield
     finally:
-        if freeze:
-            gc.freeze()
-        elif settle and was_enabled and not gc.get_freeze_count():
-            gc.freeze()
-            gc.unfreeze()
+        with _FREEZING:  # another thread's freeze never lands between a check and a thaw
+            if freeze:
+                gc.freeze()
+            elif settle and was_enabled and not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
         if was_enabled:
             gc.enable()
+
+
+#: held while this module freezes (or freezes and thaws) the collector's generations
+_FREEZING = threading.Lock()
