@@ -187,7 +187,7 @@ def disjoint_reader(
         return None
     top = max(sizes)
     key = tuple(t for t, n in zip(every, sizes) if n == top)
-    most = unions.get(key) if key != every else unions[every]
+    most = unions.get(key)  # every's own merge when all parts tie
     if most is None:
         most = np.concatenate([groups[t][0] for t in key])
         most.sort()
